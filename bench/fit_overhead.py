@@ -1,0 +1,135 @@
+"""Steady-state `fit` speed: kfit_ps (Keras 3) vs tf_keras's own PS `model.fit` (Keras 2).
+
+Both train the same model (same layers, optimizer, loss, metric, batch size,
+input pipeline) on the same LocalCluster, in one process, in alternating
+repeats. Each repeat times one `fit` call of `--epochs` x `--steps` after a
+warm-up fit (tracing and dataset creation are excluded). Prints steps/s for
+both, the per-repeat ratios and the median ratio (kfit_ps / tf_keras; >= 1.0
+means kfit_ps is at least as fast).
+
+    python bench/fit_overhead.py                      # defaults used in docs/benchmarks.md
+    python bench/fit_overhead.py --steps-per-execution 10 --repeats 3
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+
+def dataset_fn_for(features, batch_size):
+    import tensorflow as tf
+
+    def dataset_fn(input_context):
+        x = tf.random.stateless_normal((4096, features), seed=(1, 2))
+        y = tf.reduce_sum(x[:, :8], axis=1, keepdims=True)
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(4096).repeat()
+        return dataset.batch(batch_size).prefetch(2)
+
+    return dataset_fn
+
+
+def build(layers_module, features, hidden):
+    inputs = layers_module.Input((features,))
+    x = layers_module.Dense(hidden, activation="relu")(inputs)
+    x = layers_module.Dense(hidden, activation="relu")(x)
+    return inputs, layers_module.Dense(1)(x)
+
+
+def make_kfit(cluster, args):
+    import keras
+
+    import kfit_ps
+
+    strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+    with strategy.scope():
+        inputs, outputs = build(keras.layers, args.features, args.hidden)
+        model = keras.Model(inputs, outputs)
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse", metrics=["mae"],
+                      steps_per_execution=args.steps_per_execution)
+    data = kfit_ps.DatasetCreator(dataset_fn_for(args.features, args.batch_size))
+    return model, data
+
+
+def make_tf_keras(cluster, args):
+    import tensorflow as tf
+    import tf_keras
+
+    strategy = tf.distribute.ParameterServerStrategy(cluster.cluster_resolver)
+    with strategy.scope():
+        inputs, outputs = build(tf_keras.layers, args.features, args.hidden)
+        model = tf_keras.Model(inputs, outputs)
+        model.compile(optimizer=tf_keras.optimizers.Adam(1e-3), loss="mse", metrics=["mae"],
+                      steps_per_execution=args.steps_per_execution)
+    data = tf_keras.utils.experimental.DatasetCreator(
+        dataset_fn_for(args.features, args.batch_size))
+    return model, data
+
+
+def timed_fit(model, data, epochs, steps):
+    start = time.perf_counter()
+    model.fit(data, epochs=epochs, steps_per_epoch=steps, verbose=0)
+    return epochs * steps / (time.perf_counter() - start)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--ps", type=int, default=1)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=300, help="steps per epoch")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps-per-execution", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--features", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    args = parser.parse_args(argv)
+
+    import kfit_ps
+
+    with kfit_ps.LocalCluster(num_workers=args.workers, num_ps=args.ps) as cluster:
+        contenders = {"kfit_ps": make_kfit(cluster, args), "tf_keras": make_tf_keras(cluster, args)}
+        for model, data in contenders.values():  # warm-up: tracing, datasets, first steps
+            timed_fit(model, data, 1, 20)
+        rates = {name: [] for name in contenders}
+        for repeat in range(args.repeats):
+            order = list(contenders) if repeat % 2 == 0 else list(reversed(contenders))
+            for name in order:
+                rates[name].append(timed_fit(*contenders[name], args.epochs, args.steps))
+            print(f"repeat {repeat + 1}/{args.repeats}: "
+                  + ", ".join(f"{n} {rates[n][-1]:.1f} steps/s" for n in contenders), flush=True)
+        iterations = {
+            "kfit_ps": int(contenders["kfit_ps"][0].optimizer.iterations.numpy()),
+            "tf_keras": int(contenders["tf_keras"][0].optimizer.iterations.numpy()),
+        }
+        del contenders
+    ratios = [k / t for k, t in zip(rates["kfit_ps"], rates["tf_keras"])]
+    result = {
+        "config": vars(args),
+        "steps_per_s": {n: statistics.median(r) for n, r in rates.items()},
+        "ratios": ratios,
+        "median_ratio": statistics.median(ratios),
+        "expected_iterations": 20 + args.repeats * args.epochs * args.steps,
+        "iterations": iterations,
+    }
+    print(f"kfit_ps {result['steps_per_s']['kfit_ps']:.1f} steps/s, tf_keras "
+          f"{result['steps_per_s']['tf_keras']:.1f} steps/s (medians); ratio kfit_ps/tf_keras: "
+          f"median {result['median_ratio']:.3f}, per repeat "
+          f"{', '.join(f'{r:.3f}' for r in ratios)}")
+    print(f"optimizer.iterations after all fits: {iterations} "
+          f"(expected {result['expected_iterations']} each)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    sys.stdout.flush()
+    os._exit(0)  # servers are gone: skip TensorFlow's noisy teardown
+
+
+if __name__ == "__main__":
+    main()

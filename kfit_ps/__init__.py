@@ -1,0 +1,44 @@
+"""kfit_ps: parameter-server training for Keras 3 `model.fit`.
+
+Importing kfit_ps routes `Model.fit` / `evaluate` / `predict` of models built
+under a `kfit_ps.ParameterServerStrategy` scope to the parameter-server loop,
+and makes `assign_add` / `assign_sub` of Keras variables created under that
+scope atomic on the ps. Nothing changes for other models and variables.
+
+```python
+import kfit_ps
+with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+    strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+    with strategy.scope():
+        model = build_model()
+        model.compile(optimizer="adam", loss="binary_crossentropy")
+    model.fit(kfit_ps.DatasetCreator(dataset_fn), epochs=3, steps_per_epoch=100)
+```
+"""
+
+import logging as _logging
+import os as _os
+
+_os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+from kfit_ps import constants as _constants  # noqa: E402
+
+_logging.getLogger("kfit_ps").setLevel(_constants.log_level())
+
+from kfit_ps import training as _training  # noqa: E402
+from kfit_ps.cluster.local import LocalCluster  # noqa: E402
+from kfit_ps.cluster.spec import ClusterConfig  # noqa: E402
+from kfit_ps.strategy import ParameterServerStrategy  # noqa: E402
+from kfit_ps.training import DatasetCreator  # noqa: E402
+
+__version__ = "0.1.0"
+
+_training.install()
+
+__all__ = [
+    "ClusterConfig",
+    "DatasetCreator",
+    "LocalCluster",
+    "ParameterServerStrategy",
+    "__version__",
+]

@@ -1,0 +1,38 @@
+"""The one gate to private TensorFlow and Keras APIs.
+
+Everything in kfit_ps that touches `keras.src...`, a private attribute of a
+Keras or TensorFlow object, or patches a Keras class goes through this
+package. Each use is guarded by `check_versions()` (the ranges below are the
+ones `pyproject.toml` pins and the tests cover) and tested in
+`tests/test_tf_compat.py`, so a TensorFlow or Keras upgrade breaks here, in
+one place, with a clear message.
+"""
+
+from kfit_ps._tf_compat.versions import SUPPORTED, check_versions
+from kfit_ps._tf_compat.keras_variables import (
+    install_atomic_updates,
+    is_kfit_variable,
+    mark_kfit_variable,
+    storage,
+)
+from kfit_ps._tf_compat.keras_trainer import (
+    flatten_metrics_in_order,
+    initial_epoch_override,
+    install_dispatch,
+    model_strategy,
+    symbolic_build,
+)
+
+__all__ = [
+    "SUPPORTED",
+    "check_versions",
+    "flatten_metrics_in_order",
+    "initial_epoch_override",
+    "install_atomic_updates",
+    "install_dispatch",
+    "is_kfit_variable",
+    "mark_kfit_variable",
+    "model_strategy",
+    "storage",
+    "symbolic_build",
+]

@@ -1,0 +1,81 @@
+"""Atomic `assign_add` / `assign_sub` for Keras 3 variables stored on ps tasks.
+
+Keras 3 implements `Variable.assign_add(v)` as `assign(self + v)`: a read, then
+a write. Two workers doing that concurrently on a ps lose updates (measured:
+200 steps on 2 workers gave `optimizer.iterations == 153`). TensorFlow's
+resource variables have a real in-place `AssignAddVariableOp`, executed
+atomically by the ps that holds the variable.
+
+`install_atomic_updates()` replaces `assign_add` / `assign_sub` of the Keras
+TensorFlow-backend `Variable` class with versions that use the in-place op
+*only* for variables whose storage `mark_kfit_variable` marked (those created
+under a kfit_ps strategy scope); every other variable keeps stock behaviour.
+"""
+
+import threading
+
+import tensorflow as tf
+from keras.src.backend.common.stateless_scope import in_stateless_scope
+from keras.src.backend.tensorflow import core as _tf_core
+
+from kfit_ps._tf_compat.versions import check_versions
+
+_MARK = "_kfit_ps_variable"
+_install_lock = threading.Lock()
+_installed = False
+
+
+def mark_kfit_variable(tf_variable):
+    """Marks a `tf.Variable` created under a kfit_ps strategy scope."""
+    setattr(tf_variable, _MARK, True)
+    return tf_variable
+
+
+def storage(keras_variable):
+    """The `tf.Variable` behind a Keras variable (None if not yet initialized)."""
+    return getattr(keras_variable, "_value", None)
+
+
+def is_kfit_variable(variable):
+    """Whether a Keras or TF variable was created under a kfit_ps strategy scope."""
+    inner = storage(variable) if isinstance(variable, _tf_core.Variable) else variable
+    return bool(getattr(inner, _MARK, False))
+
+
+def _atomic(method_name, stock):
+    def update(self, value):
+        inner = storage(self)
+        if inner is None or not getattr(inner, _MARK, False) or in_stateless_scope():
+            return stock(self, value)
+        delta = tf.cast(tf.convert_to_tensor(value), inner.dtype)
+        if not self.shape.is_compatible_with(delta.shape):
+            # Same check and message shape as Keras' own `assign`.
+            raise ValueError(
+                f"The shape of the target variable and the shape of the target value in "
+                f"`variable.{method_name}(value)` must match. variable.shape={self.shape}, "
+                f"Received: value.shape={delta.shape}. Target variable: {self}"
+            )
+        return getattr(inner, method_name)(delta, read_value=False)
+
+    update.__name__ = method_name
+    update.__doc__ = (
+        f"{method_name} as one in-place op on the variable's device (kfit_ps); "
+        "stock Keras behaviour for variables not created under a kfit_ps scope."
+    )
+    update._kfit_ps_stock = stock
+    return update
+
+
+def install_atomic_updates():
+    """Installs the atomic updates once per process; idempotent and thread-safe."""
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        check_versions()
+        cls = _tf_core.Variable
+        for name in ("assign_add", "assign_sub"):
+            stock = getattr(cls, name)
+            if not hasattr(stock, "_kfit_ps_stock"):
+                setattr(cls, name, _atomic(name, stock))
+        _installed = True

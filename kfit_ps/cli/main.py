@@ -1,0 +1,150 @@
+"""`kfit-ps`: a thin command line over kfit_ps functions.
+
+    kfit-ps quickstart              train the demo model on a local cluster
+    kfit-ps server                  run this machine's worker/ps server (TF_CONFIG)
+    kfit-ps local --workers 2 --ps 1
+                                    start a local cluster and print the chief's TF_CONFIG
+
+Each flag falls back to an environment variable, then to a default; the
+effective configuration is printed at start.
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+
+# This is the program's entry point: quieten TensorFlow's C++ start-up chatter unless the
+# user asked for it (must happen before TensorFlow is imported, which `kfit_ps` does).
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from kfit_ps import constants  # noqa: E402
+
+
+def _flag_error(parser, flag, value, fix):
+    parser.error(f"{flag}: {fix} Received: {flag} {value!r}.")
+
+
+def _cmd_quickstart(args, parser):
+    from kfit_ps.jobs.quickstart import QuickstartConfig, run
+
+    try:
+        config = QuickstartConfig(num_workers=args.workers, num_ps=args.ps, epochs=args.epochs,
+                                  steps_per_epoch=args.steps_per_epoch, verbose=args.verbose)
+    except ValueError as e:
+        parser.error(str(e))
+    print(f"kfit-ps quickstart: {config}", flush=True)
+    results = run(config)
+    return 0 if results["auc"] > 0.5 else 1
+
+
+def _server_config(args, parser):
+    from kfit_ps.cluster.spec import ClusterConfig
+
+    if args.cluster is not None:
+        try:
+            cluster = json.loads(args.cluster)
+        except json.JSONDecodeError as e:
+            _flag_error(parser, "--cluster", args.cluster, f"must be JSON ({e.msg}), e.g. "
+                        '\'{"worker": ["h:2222"], "ps": ["h:2223"]}\'.')
+        task_type, task_index, source = args.task_type, args.task_index, "--cluster"
+        if task_type is None:
+            parser.error("--task-type is required with --cluster (worker or ps).")
+        return ClusterConfig(cluster=cluster, task_type=task_type, task_index=task_index or 0,
+                             source=source)
+    config = ClusterConfig.from_tf_config()
+    if args.task_type is not None or args.task_index is not None:
+        config = ClusterConfig(
+            cluster=dict(config.cluster),
+            task_type=args.task_type if args.task_type is not None else config.task_type,
+            task_index=args.task_index if args.task_index is not None else config.task_index,
+            source=constants.TF_CONFIG + " with --task-type/--task-index")
+    return config
+
+
+def _cmd_server(args, parser):
+    from kfit_ps.cluster.server import run_server
+
+    try:
+        config = _server_config(args, parser)
+    except ValueError as e:
+        parser.error(str(e))
+    print(f"kfit-ps server: {config!r} worker_threads={args.worker_threads or 'auto'}",
+          file=sys.stderr, flush=True)
+    try:
+        run_server(config, inter_op_threads=args.worker_threads)
+    except ValueError as e:
+        parser.error(str(e))
+    return 0
+
+
+def _cmd_local(args, parser):
+    from kfit_ps.cluster.local import LocalCluster
+
+    try:
+        cluster = LocalCluster(num_workers=args.workers, num_ps=args.ps)
+    except ValueError as e:
+        parser.error(str(e))
+    with cluster:
+        print(json.dumps({"TF_CONFIG": cluster.config.to_tf_config()}), flush=True)
+        print("kfit-ps local: servers running; press Ctrl-C to stop them.", file=sys.stderr,
+              flush=True)
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        try:
+            while not stop.wait(1.0):
+                pass
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="kfit-ps", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    quick = sub.add_parser("quickstart", help="train the demo recommendation model locally")
+    quick.add_argument("--workers", type=int, default=constants.env_int(constants.WORKERS_ENV, 2))
+    quick.add_argument("--ps", type=int, default=constants.env_int(constants.PS_ENV, 2))
+    quick.add_argument("--epochs", type=int, default=3)
+    quick.add_argument("--steps-per-epoch", type=int, default=100)
+    quick.add_argument("--verbose", type=int, default=1, choices=(0, 1, 2))
+    quick.set_defaults(handler=_cmd_quickstart)
+
+    server = sub.add_parser("server", help="run a worker or ps server from TF_CONFIG or flags")
+    server.add_argument("--cluster", default=None,
+                        help='cluster JSON, e.g. \'{"worker": ["h:2222"], "ps": ["h:2223"]}\' '
+                             "(default: TF_CONFIG's cluster)")
+    server.add_argument("--task-type", choices=("worker", "ps"), default=None,
+                        help="default: TF_CONFIG's task.type")
+    server.add_argument("--task-index", type=int, default=None,
+                        help="default: TF_CONFIG's task.index")
+    server.add_argument("--worker-threads", type=int,
+                        default=constants.env_int(constants.WORKER_THREADS_ENV, 0) or None,
+                        help="inter-op threads of a worker (default: safe automatic value)")
+    server.set_defaults(handler=_cmd_server)
+
+    local = sub.add_parser("local", help="start a local cluster and print its TF_CONFIG")
+    local.add_argument("--workers", type=int, default=constants.env_int(constants.WORKERS_ENV, 2))
+    local.add_argument("--ps", type=int, default=constants.env_int(constants.PS_ENV, 1))
+    local.set_defaults(handler=_cmd_local)
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    status = args.handler(args, parser)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if args.command == "quickstart":
+        # The servers are gone; skip interpreter teardown, where TensorFlow would try (and
+        # loudly fail) to unregister functions from them.
+        os._exit(status)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

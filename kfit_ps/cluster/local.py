@@ -1,0 +1,279 @@
+"""`LocalCluster`: real worker and ps server processes on this machine.
+
+Each worker and ps is its own OS process running a gRPC
+`tf.distribute.Server` on a free localhost port; this process plays the
+chief (coordinator). The cluster owns its processes:
+
+- `stop()` (and leaving the `with` block, normally or by exception or Ctrl-C)
+  terminates them, then kills what is left;
+- an `atexit` hook stops clusters the program forgot;
+- every server watches its launcher and exits within
+  `KFIT_PS_PARENT_POLL` seconds (0.5 by default) when the launcher dies,
+  even by SIGKILL, so no server is ever orphaned.
+
+Example:
+
+```python
+with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+    strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+    ...
+```
+"""
+
+import atexit
+import gc
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+
+from kfit_ps import constants
+from kfit_ps.cluster.spec import ClusterConfig
+
+log = logging.getLogger("kfit_ps.cluster")
+
+_LIVE_CLUSTERS = weakref.WeakSet()
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_STOP_GRACE_SECONDS = 5.0
+
+
+def _free_port(host):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host if host != "localhost" else "127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _accepts(host, port):
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _check_count(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(
+            f"LocalCluster: `{name}` must be an integer >= {minimum}. Received: {name}={value!r}."
+        )
+
+
+class LocalCluster:
+    """A parameter-server cluster of real server processes on this machine.
+
+    Args:
+        num_workers: number of worker processes. Defaults to 2.
+        num_ps: number of parameter-server processes. Defaults to 1.
+        host: host name the servers are addressed by. Defaults to "localhost".
+            Note that TensorFlow servers listen on all interfaces regardless.
+        worker_threads: inter-op threads per worker; None picks a value that
+            cannot deadlock on small machines. Defaults to None.
+        startup_timeout: seconds to wait for all servers to accept
+            connections. Defaults to `KFIT_PS_STARTUP_TIMEOUT` or 120.
+        env: extra environment variables for the server processes.
+    """
+
+    def __init__(self, num_workers=2, num_ps=1, *, host="localhost", worker_threads=None,
+                 startup_timeout=None, env=None):
+        _check_count("num_workers", num_workers, 1)
+        _check_count("num_ps", num_ps, 1)
+        if worker_threads is not None:
+            _check_count("worker_threads", worker_threads, 1)
+        self.num_workers = num_workers
+        self.num_ps = num_ps
+        self.host = host
+        self._threads = worker_threads or constants.worker_inter_op_threads(num_workers)
+        self._startup_timeout = startup_timeout or constants.startup_timeout()
+        self._env = dict(env or {})
+        self._procs = {}
+        self._logs = {}
+        self._log_dir = None
+        self._lock = threading.Lock()
+        self.config = None
+
+    # Lifecycle -------------------------------------------------------------------------------
+
+    def start(self):
+        """Starts every server and returns once all accept connections."""
+        if self.config is not None:
+            raise RuntimeError("LocalCluster.start() was already called; create a new cluster.")
+        cluster = {
+            constants.CHIEF: [f"{self.host}:{_free_port(self.host)}"],
+            constants.WORKER: [f"{self.host}:{_free_port(self.host)}"
+                               for _ in range(self.num_workers)],
+            constants.PS: [f"{self.host}:{_free_port(self.host)}" for _ in range(self.num_ps)],
+        }
+        self.config = ClusterConfig(cluster=cluster, task_type=constants.CHIEF, task_index=0,
+                                    source="LocalCluster")
+        self._log_dir = tempfile.mkdtemp(prefix="kfit_ps-cluster-")
+        _LIVE_CLUSTERS.add(self)
+        try:
+            for task_type in constants.SERVER_TASK_TYPES:
+                for index in range(self.config.num_tasks(task_type)):
+                    self._spawn(task_type, index)
+            self._wait_ready(self._server_tasks())
+        except BaseException:
+            self.stop()
+            raise
+        log.info("LocalCluster started: %r (logs in %s)", self.config, self._log_dir)
+        return self
+
+    def stop(self):
+        """Terminates every server process and waits for them; idempotent."""
+        # Functions and resources this process registered on the servers are released
+        # while the servers can still answer (TensorFlow logs an error per function otherwise).
+        gc.collect()
+        with self._lock:
+            procs = list(self._procs.values())
+            self._procs.clear()
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + _STOP_GRACE_SECONDS
+        for p in procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for f in self._logs.values():
+            f.close()
+        self._logs.clear()
+        _LIVE_CLUSTERS.discard(self)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False
+
+    # Fault injection -----------------------------------------------------------------------
+
+    def kill(self, task_type, index, sig=signal.SIGKILL):
+        """Kills one server process (SIGKILL by default) and waits until it is gone."""
+        proc = self._proc(task_type, index)
+        if proc.poll() is None:
+            proc.send_signal(sig)
+        proc.wait()
+
+    def restart(self, task_type, index):
+        """Starts a killed server again at the same address; waits until it accepts."""
+        proc = self._proc(task_type, index)
+        if proc.poll() is None:
+            raise RuntimeError(
+                f"LocalCluster.restart: {task_type}:{index} (pid {proc.pid}) is still running. "
+                f"Call kill({task_type!r}, {index}) first."
+            )
+        self._spawn(task_type, index)
+        self._wait_ready([(task_type, index)])
+
+    def pid(self, task_type, index):
+        """The process id of a server."""
+        return self._proc(task_type, index).pid
+
+    def pids(self):
+        """Process ids of every live server."""
+        with self._lock:
+            return [p.pid for p in self._procs.values() if p.poll() is None]
+
+    # Views -----------------------------------------------------------------------------------
+
+    @property
+    def cluster_resolver(self):
+        """A `ClusterResolver` for the chief (this process)."""
+        self._require_started("cluster_resolver")
+        return self.config.cluster_resolver()
+
+    def address(self, task_type, index):
+        self._require_started("address")
+        return self.config.address(task_type, index)
+
+    def __repr__(self):
+        state = repr(self.config) if self.config else "not started"
+        return f"LocalCluster(num_workers={self.num_workers}, num_ps={self.num_ps}; {state})"
+
+    # Internals ------------------------------------------------------------------------------
+
+    def _require_started(self, what):
+        if self.config is None:
+            raise RuntimeError(f"LocalCluster.{what} needs a started cluster: use "
+                               "`with LocalCluster(...) as cluster:` or call start().")
+
+    def _server_tasks(self):
+        return [(t, i) for t in constants.SERVER_TASK_TYPES
+                for i in range(self.config.num_tasks(t))]
+
+    def _proc(self, task_type, index):
+        self._require_started("kill/restart")
+        key = (task_type, index)
+        with self._lock:
+            if key not in self._procs:
+                raise ValueError(
+                    f"LocalCluster has no server {task_type}:{index}. Servers: "
+                    f"{', '.join(f'{t}:{i}' for t, i in self._server_tasks())}."
+                )
+            return self._procs[key]
+
+    def _spawn(self, task_type, index):
+        key = (task_type, index)
+        if key not in self._logs:
+            path = os.path.join(self._log_dir, f"{task_type}-{index}.log")
+            self._logs[key] = open(path, "ab")
+        env = dict(os.environ)
+        env.pop(constants.TF_CONFIG, None)
+        # Servers run the same kfit_ps code as this launcher, whatever else is installed.
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+        env.update(self._env)
+        cmd = [sys.executable, "-m", "kfit_ps.cluster._server_main",
+               self.config.to_tf_config(task_type, index), str(os.getpid()), str(self._threads)]
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._logs[key],
+                                stderr=subprocess.STDOUT, env=env)
+        with self._lock:
+            self._procs[key] = proc
+
+    def _log_tail(self, task_type, index, n=2000):
+        path = os.path.join(self._log_dir, f"{task_type}-{index}.log")
+        try:
+            with open(path, "rb") as f:
+                return f.read()[-n:].decode(errors="replace")
+        except OSError:
+            return "(no log)"
+
+    def _wait_ready(self, tasks):
+        deadline = time.monotonic() + self._startup_timeout
+        pending = list(tasks)
+        while pending:
+            task_type, index = pending[0]
+            proc = self._proc(task_type, index)
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"LocalCluster: server {task_type}:{index} exited with code "
+                    f"{proc.returncode} during start-up. Its log:\n"
+                    f"{self._log_tail(task_type, index)}"
+                )
+            host, _, port = self.config.address(task_type, index).rpartition(":")
+            if _accepts(host, int(port)):
+                pending.pop(0)
+                continue
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"LocalCluster: server {task_type}:{index} did not accept connections within "
+                    f"{self._startup_timeout:.0f}s (set {constants.STARTUP_TIMEOUT_ENV} to wait "
+                    f"longer). Its log:\n{self._log_tail(task_type, index)}"
+                )
+            time.sleep(0.1)
+
+
+@atexit.register
+def _stop_live_clusters():
+    for cluster in list(_LIVE_CLUSTERS):
+        cluster.stop()

@@ -1,0 +1,105 @@
+"""Running one TensorFlow gRPC server for a worker or ps task.
+
+`run_server` is what both `LocalCluster` (through `_server_main`) and the
+`kfit-ps server` CLI call. It blocks until the process is told to stop.
+
+Security: a TensorFlow server listens on every interface, even when its
+address says `localhost`, and accepts unauthenticated requests that run
+arbitrary code. See docs/security.md.
+"""
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+from kfit_ps import constants
+
+log = logging.getLogger("kfit_ps.server")
+
+SECURITY_WARNING = (
+    "kfit_ps: this TensorFlow server ({address}) listens on ALL network interfaces and accepts "
+    "unauthenticated connections; anyone who can reach the port can run code in this process. "
+    "Run it only on a trusted network or behind a firewall (see docs/security.md)."
+)
+
+
+def _die_with_parent(parent_pid, poll_interval):
+    """Exits this process within `poll_interval` seconds of `parent_pid` dying.
+
+    Polling for re-parenting works whatever killed the parent (SIGKILL too)
+    and whichever thread started us; the kernel's parent-death signal would
+    fire when the *thread* that spawned us exits, which breaks `restart()`
+    from a helper thread.
+    """
+    if os.getppid() != parent_pid:  # Parent died before we got here.
+        os._exit(0)
+
+    def watch():
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(0)
+            time.sleep(poll_interval)
+
+    threading.Thread(target=watch, name="kfit_ps-parent-watch", daemon=True).start()
+
+
+def server_config(task_type, num_workers, inter_op_threads=None):
+    """The `tf.compat.v1.ConfigProto` for a server of `task_type`."""
+    import tensorflow as tf
+
+    config = tf.compat.v1.ConfigProto()
+    if task_type == constants.WORKER:
+        config.inter_op_parallelism_threads = (
+            inter_op_threads or constants.worker_inter_op_threads(num_workers)
+        )
+    return config
+
+
+def run_server(cluster_config, inter_op_threads=None, parent_pid=None, ready_file=None,
+               warn=True):
+    """Starts the server for `cluster_config`'s task and blocks forever.
+
+    Args:
+        cluster_config: a `ClusterConfig` whose `task_type` is `worker` or `ps`.
+        inter_op_threads: inter-op threads of a worker; None picks a value that
+            cannot deadlock (see `constants.worker_inter_op_threads`).
+        parent_pid: exit when this process dies. Defaults to None (no watch).
+        ready_file: path written once the server has started. Defaults to None.
+        warn: print the all-interfaces security warning. Defaults to True.
+    """
+    task_type, index = cluster_config.task_type, cluster_config.task_index
+    if task_type not in constants.SERVER_TASK_TYPES:
+        raise ValueError(
+            f"A kfit_ps server runs a 'worker' or 'ps' task. Received: task type {task_type!r} "
+            f"from {cluster_config.source}. The chief runs your training script and the "
+            "evaluator runs `kfit-ps evaluator`."
+        )
+    if parent_pid is not None:
+        _die_with_parent(parent_pid, constants.parent_poll_interval())
+    # SIGTERM / SIGINT end the process at once. A Python handler would never run: the main
+    # thread blocks in `server.join()` (C++), so the launcher would wait for its SIGKILL.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    import tensorflow as tf
+
+    address = cluster_config.address(task_type, index)
+    if warn:
+        print(SECURITY_WARNING.format(address=address), file=sys.stderr, flush=True)
+    server = tf.distribute.Server(
+        tf.train.ClusterSpec(cluster_config.training_cluster()),
+        job_name=task_type,
+        task_index=index,
+        protocol="grpc",
+        config=server_config(task_type, cluster_config.num_tasks(constants.WORKER),
+                             inter_op_threads),
+        start=True,
+    )
+    log.info("kfit_ps %s:%d serving at %s", task_type, index, address)
+    if ready_file:
+        with open(ready_file, "w") as f:
+            f.write(server.target)
+    server.join()

@@ -1,0 +1,103 @@
+"""Every setting kfit_ps reads from the environment, in one place.
+
+Each setting has a documented default; nothing else in the package reads
+`os.environ` except `TF_CONFIG` resolution (`kfit_ps.cluster.tf_config`),
+which follows TensorFlow's own convention.
+
+| variable | default | meaning |
+| --- | --- | --- |
+| `TF_CONFIG` | unset | cluster spec + this task, TensorFlow's JSON format |
+| `KFIT_PS_STARTUP_TIMEOUT` | `120` | seconds a `LocalCluster` waits for its servers to accept connections |
+| `KFIT_PS_PARENT_POLL` | `0.5` | seconds between a server's checks that its launcher is alive |
+| `KFIT_PS_WORKER_INTER_OP_THREADS` | `0` | inter-op threads of a worker server; 0 = max(4, workers + 1, cores) |
+| `KFIT_PS_PROGRESS_INTERVAL` | `0.25` | seconds between progress-bar updates during `fit` (no synchronisation) |
+| `KFIT_PS_LOG_LEVEL` | `WARNING` | log level of the `kfit_ps` logger |
+| `KFIT_PS_WORKERS` | `2` | default `--workers` of `kfit-ps quickstart` and `kfit-ps local` |
+| `KFIT_PS_PS` | `2` (quickstart), `1` (local) | default `--ps` of those commands |
+| `TF_CPP_MIN_LOG_LEVEL` | `2` in `kfit-ps` and servers' `1` | TensorFlow's own C++ log filter; set it to override |
+"""
+
+import os
+
+TF_CONFIG = "TF_CONFIG"
+
+# Environment variable names; the defaults follow.
+STARTUP_TIMEOUT_ENV = "KFIT_PS_STARTUP_TIMEOUT"
+PARENT_POLL_ENV = "KFIT_PS_PARENT_POLL"
+WORKER_THREADS_ENV = "KFIT_PS_WORKER_INTER_OP_THREADS"
+PROGRESS_INTERVAL_ENV = "KFIT_PS_PROGRESS_INTERVAL"
+LOG_LEVEL_ENV = "KFIT_PS_LOG_LEVEL"
+WORKERS_ENV = "KFIT_PS_WORKERS"
+PS_ENV = "KFIT_PS_PS"
+
+DEFAULT_STARTUP_TIMEOUT = 120.0
+DEFAULT_PARENT_POLL = 0.5
+DEFAULT_PROGRESS_INTERVAL = 0.25
+
+# Task types understood by kfit_ps, in TensorFlow's naming.
+CHIEF = "chief"
+WORKER = "worker"
+PS = "ps"
+EVALUATOR = "evaluator"
+TASK_TYPES = (CHIEF, WORKER, PS, EVALUATOR)
+SERVER_TASK_TYPES = (WORKER, PS)
+
+
+def _float(name, default):
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(
+            f"Environment variable {name} must be a number of seconds. "
+            f"Received: {name}={raw!r}. Unset it to use the default {default}."
+        ) from None
+    if value <= 0:
+        raise ValueError(
+            f"Environment variable {name} must be positive. Received: {name}={raw!r}."
+        )
+    return value
+
+
+def env_int(name, default):
+    """An integer setting from the environment, or `default` when unset."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(
+            f"Environment variable {name} must be an integer. Received: {name}={raw!r}."
+        ) from None
+
+
+def startup_timeout():
+    return _float(STARTUP_TIMEOUT_ENV, DEFAULT_STARTUP_TIMEOUT)
+
+
+def parent_poll_interval():
+    return _float(PARENT_POLL_ENV, DEFAULT_PARENT_POLL)
+
+
+def progress_interval():
+    return _float(PROGRESS_INTERVAL_ENV, DEFAULT_PROGRESS_INTERVAL)
+
+
+def worker_inter_op_threads(num_workers):
+    """Inter-op threads for a worker server.
+
+    A worker runs one closure per coordinator thread plus the dataset
+    iterator and the remote variable reads; with fewer threads than
+    `num_workers + 1` a 2-core machine can deadlock (measured).
+    """
+    value = env_int(WORKER_THREADS_ENV, 0)
+    if value > 0:
+        return value
+    return max(4, num_workers + 1, os.cpu_count() or 1)
+
+
+def log_level():
+    return os.environ.get(LOG_LEVEL_ENV, "WARNING").upper()

@@ -1,0 +1,137 @@
+"""`ParameterServerStrategy`: TensorFlow's PS strategy, made correct for Keras 3.
+
+It *is* a `tf.distribute.ParameterServerStrategy` (placement, partitioning,
+`ClusterCoordinator` and fault tolerance are TensorFlow's). What it adds:
+
+- cluster validation with errors that say what to fix;
+- an evaluator task in the resolver's spec is dropped (the evaluator is not
+  part of the training cluster);
+- `scope()` marks every variable created in it, so that Keras 3 variables
+  stored on a ps update atomically (`assign_add` / `assign_sub` become one
+  in-place op on the ps; see `kfit_ps._tf_compat.keras_variables`);
+- `coordinator`: the strategy's `ClusterCoordinator`, created on first use.
+"""
+
+import contextlib
+
+import tensorflow as tf
+
+from kfit_ps import _tf_compat, constants
+
+_ALLOWED = (constants.CHIEF, constants.WORKER, constants.PS)
+
+
+def _validated_resolver(cluster_resolver):
+    if not isinstance(cluster_resolver, tf.distribute.cluster_resolver.ClusterResolver):
+        raise ValueError(
+            "ParameterServerStrategy: `cluster_resolver` must be a "
+            "tf.distribute.cluster_resolver.ClusterResolver. Received: "
+            f"cluster_resolver={cluster_resolver!r} of type {type(cluster_resolver).__name__}. "
+            "Use `LocalCluster(...).cluster_resolver`, "
+            "`ClusterConfig.from_tf_config().cluster_resolver()` or "
+            "`tf.distribute.cluster_resolver.TFConfigClusterResolver()`."
+        )
+    spec = cluster_resolver.cluster_spec().as_dict()
+    unknown = sorted(set(spec) - set(_ALLOWED) - {constants.EVALUATOR})
+    if unknown:
+        raise ValueError(
+            f"ParameterServerStrategy: the cluster has task type(s) {unknown}; a parameter-server "
+            f"cluster has only {', '.join(_ALLOWED)} (and an evaluator outside it). "
+            f"Received cluster spec: {spec}. Remove or rename those jobs."
+        )
+    for required in (constants.WORKER, constants.PS):
+        if not spec.get(required):
+            raise ValueError(
+                f"ParameterServerStrategy: the cluster has no {required!r} task; parameter-server "
+                f"training needs at least one worker and one ps. Received cluster spec: {spec}. "
+                f"Add a {required!r} job to the cluster (TF_CONFIG \"cluster\")."
+            )
+    task_type = cluster_resolver.task_type
+    if task_type not in (None, constants.CHIEF):
+        raise ValueError(
+            f"ParameterServerStrategy runs on the chief (coordinator), but this process is task "
+            f"{task_type!r}:{cluster_resolver.task_id}. Run servers for worker and ps tasks with "
+            "`kfit-ps server`, and the training script with TF_CONFIG task type 'chief'."
+        )
+    if constants.EVALUATOR in spec or task_type is None:
+        spec.pop(constants.EVALUATOR, None)
+        spec.setdefault(constants.CHIEF, [])
+        if not spec[constants.CHIEF]:
+            spec.pop(constants.CHIEF)
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(spec), task_type=constants.CHIEF if constants.CHIEF in spec
+            else None, task_id=0, rpc_layer=cluster_resolver.rpc_layer or "grpc")
+    return cluster_resolver
+
+
+class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
+    """Asynchronous parameter-server training for Keras 3 models.
+
+    Build and compile the model under `strategy.scope()`, then call the
+    ordinary `model.fit` with a `kfit_ps.DatasetCreator` and `steps_per_epoch`.
+
+    ```python
+    with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+        with strategy.scope():
+            model = keras.Sequential([keras.layers.Dense(1)])
+            model.compile("sgd", "mse")
+        model.fit(kfit_ps.DatasetCreator(dataset_fn), epochs=2, steps_per_epoch=100)
+    ```
+
+    Args:
+        cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`
+            whose spec has at least one `worker` and one `ps` (and optionally a
+            `chief`); this process is the chief.
+        variable_partitioner: a `tf.distribute.experimental.partitioners`
+            partitioner to shard variables along axis 0 across ps tasks.
+            Defaults to None (no sharding: variables go round-robin to the ps
+            tasks).
+    """
+
+    def __init__(self, cluster_resolver, variable_partitioner=None):
+        if variable_partitioner is not None and not callable(variable_partitioner):
+            raise ValueError(
+                "ParameterServerStrategy: `variable_partitioner` must be callable (shape, dtype) "
+                f"-> list of partitions. Received: variable_partitioner={variable_partitioner!r}. "
+                "Use e.g. tf.distribute.experimental.partitioners.MinSizePartitioner()."
+            )
+        _tf_compat.install_atomic_updates()
+        resolver = _validated_resolver(cluster_resolver)
+        spec = resolver.cluster_spec().as_dict()
+        self._num_workers = len(spec[constants.WORKER])
+        self._num_ps = len(spec[constants.PS])
+        super().__init__(resolver, variable_partitioner)
+
+    @contextlib.contextmanager
+    def scope(self):
+        """Variables created in this scope live on the ps tasks and update atomically."""
+        with super().scope(), tf.variable_creator_scope(_marking_creator):
+            yield self
+
+    @property
+    def coordinator(self):
+        """This strategy's `tf.distribute.experimental.coordinator.ClusterCoordinator`."""
+        return tf.distribute.experimental.coordinator.ClusterCoordinator(self)
+
+    @property
+    def num_workers(self):
+        """Number of worker tasks in the cluster."""
+        return self._num_workers
+
+    @property
+    def num_ps(self):
+        """Number of ps tasks in the cluster."""
+        return self._num_ps
+
+
+def _marking_creator(next_creator, **kwargs):
+    variable = next_creator(**kwargs)
+    for component in getattr(variable, "variables", (variable,)):
+        _tf_compat.mark_kfit_variable(component)
+    _tf_compat.mark_kfit_variable(variable)
+    return variable
+
+
+def is_kfit_strategy(strategy):
+    return isinstance(strategy, ParameterServerStrategy)

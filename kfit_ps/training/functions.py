@@ -1,0 +1,88 @@
+"""The `tf.function`s the coordinator schedules on workers.
+
+Each function runs `k` steps (the model's `steps_per_execution`, or the
+remainder at the end of an epoch) of the model's own `train_step`,
+`test_step` or `predict_step`, so custom steps of subclassed models are
+honoured. Functions are traced once per model compilation and per `k`: they
+are kept in the slots Keras itself uses (`model.train_function`, ...), which
+`compile()` resets.
+"""
+
+import tensorflow as tf
+
+
+class ScheduledFunctions:
+    """The scheduled functions of one compiled model under one strategy."""
+
+    def __init__(self, model, strategy):
+        self._model = model
+        self._strategy = strategy
+        self._cache = {}
+
+    def _get(self, key, build):
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def _steps_from_iterator(self, step, k):
+        strategy = self._strategy
+
+        def run(iterator):
+            if k == 1:
+                strategy.run(step, args=(next(iterator),))
+                return
+            for _ in tf.range(k):
+                strategy.run(step, args=(next(iterator),))
+
+        return tf.function(run, jit_compile=False)
+
+    def train(self, k):
+        """`fn(iterator)`: `k` training steps on the worker's own data."""
+        return self._get(("train", k), lambda: self._steps_from_iterator(
+            self._model.train_step, k))
+
+    def test(self, k):
+        """`fn(iterator)`: `k` evaluation steps on the worker's own data."""
+        return self._get(("test", k), lambda: self._steps_from_iterator(
+            self._model.test_step, k))
+
+    def _on_shipped_batch(self, key, step, return_outputs):
+        strategy = self._strategy
+
+        def build():
+            def run(batch):
+                outputs = strategy.run(step, args=(batch,))
+                return outputs if return_outputs else None
+
+            return tf.function(run, jit_compile=False, reduce_retracing=True)
+
+        return self._get(key, build)
+
+    def test_batch(self):
+        """`fn(batch)`: one evaluation step on a batch shipped with the call."""
+        return self._on_shipped_batch(("test_batch",), self._model.test_step, False)
+
+    def predict_batch(self):
+        """`fn(batch) -> outputs`: predictions for a batch shipped with the call."""
+        return self._on_shipped_batch(("predict_batch",), self._model.predict_step, True)
+
+    def predict_next(self):
+        """`fn(iterator) -> outputs`: predictions for the worker's next batch."""
+        strategy, model = self._strategy, self._model
+
+        def build():
+            def run(iterator):
+                return strategy.run(model.predict_step, args=(next(iterator),))
+
+            return tf.function(run, jit_compile=False)
+
+        return self._get(("predict_next",), build)
+
+
+def for_model(model, strategy, slot):
+    """The model's `ScheduledFunctions`, kept in Keras' `slot` (`train_function`, ...)."""
+    functions = getattr(model, slot, None)
+    if not isinstance(functions, ScheduledFunctions) or functions._strategy is not strategy:
+        functions = ScheduledFunctions(model, strategy)
+        setattr(model, slot, functions)
+    return functions

@@ -1,0 +1,178 @@
+"""Turning what users pass to `fit` / `evaluate` / `predict` into worker input.
+
+Two kinds of input exist under parameter servers:
+
+- `WorkerInput`: every worker builds and iterates its *own* dataset; a
+  scheduled step takes the next batch of the worker it happens to run on.
+  Used for all training input and for `DatasetCreator` / infinite datasets in
+  `evaluate` and `predict` (which then need `steps`).
+- `ShippedInput`: finite data read on the coordinator and sent, batch by
+  batch, as the argument of each scheduled function. Every batch is used
+  exactly once and predictions come back in order. Used for numpy arrays and
+  finite `tf.data.Dataset`s in `evaluate`, `predict` and validation.
+
+How each supported input is split across workers:
+
+| input | training | evaluate / predict / validation |
+| --- | --- | --- |
+| `DatasetCreator(fn)` | `fn` runs on each worker | `fn` runs on each worker; `steps` required |
+| `tf.data.Dataset` (batched) | a copy on each worker, repeated | finite: shipped in order; infinite: per worker, `steps` required |
+| numpy arrays / tensors `(x, y[, sample_weight])` | a copy on each worker, shuffled independently, repeated, batched | shipped in order |
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+import tensorflow as tf
+
+from kfit_ps.training.dataset_creator import DatasetCreator
+
+SUPPORTED_INPUTS = (
+    "kfit_ps.DatasetCreator(dataset_fn), a batched tf.data.Dataset, or numpy arrays / "
+    "tensors (x, y[, sample_weight]) (also lists/dicts of them)"
+)
+DEFAULT_BATCH_SIZE = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerInput:
+    """A dataset built on each worker (from `dataset_fn`, or a copy of `dataset`)."""
+
+    element_spec: object
+    dataset_fn: object = None
+    dataset: object = None
+    options: object = None
+    num_batches: int = None  # Batches in one pass, when known.
+
+
+@dataclasses.dataclass(frozen=True)
+class ShippedInput:
+    """A finite dataset of batches read on the coordinator and shipped per step."""
+
+    dataset: object
+    element_spec: object
+    num_batches: int = None  # None when the cardinality is unknown.
+
+
+def _is_dataset_creator(x):
+    # Also accept tf_keras' `tf.keras.utils.experimental.DatasetCreator`.
+    return isinstance(x, DatasetCreator) or (
+        type(x).__name__ == "DatasetCreator" and callable(getattr(x, "dataset_fn", None))
+    )
+
+
+def _is_array_like(leaf):
+    return isinstance(leaf, (np.ndarray, tf.Tensor, np.generic)) or hasattr(leaf, "__array__")
+
+
+def _to_arrays(structure):
+    return tf.nest.map_structure(
+        lambda a: a if isinstance(a, tf.Tensor) else np.asarray(a), structure)
+
+
+def _num_rows(structure, arg):
+    sizes = {int(a.shape[0]) for a in tf.nest.flatten(structure) if len(a.shape) > 0}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"`{arg}`: all arrays must have the same number of rows (first dimension). "
+            f"Received row counts: {sorted(sizes) or 'none (scalars)'}."
+        )
+    return sizes.pop()
+
+
+def _unsupported(arg, value):
+    return ValueError(
+        f"Parameter-server training does not support `{arg}` of type {type(value).__name__}. "
+        f"Supported inputs: {SUPPORTED_INPUTS}. Received: {arg}={value!r:.200}."
+    )
+
+
+def _check_no_extra(arg, kind, **extras):
+    for name, value in extras.items():
+        if value is not None:
+            raise ValueError(
+                f"`{name}` must be None when `{arg}` is a {kind} (the dataset yields it). "
+                f"Received: {name} of type {type(value).__name__}. Put it in the dataset's "
+                "elements as (x, y[, sample_weight])."
+            )
+
+
+def adapt(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True, training,
+          arg="x"):
+    """Returns a `WorkerInput` or `ShippedInput` for `(x, y, sample_weight)`.
+
+    Args:
+        training: True for training data (always `WorkerInput`, repeated).
+        arg: the argument name used in error messages.
+    """
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
+            batch_size, int) or batch_size <= 0):
+        raise ValueError(f"`batch_size` must be a positive integer. Received: "
+                         f"batch_size={batch_size!r}.")
+    if x is None:
+        raise ValueError(f"`{arg}` is required. Supported inputs: {SUPPORTED_INPUTS}.")
+
+    if _is_dataset_creator(x):
+        _check_no_extra(arg, "DatasetCreator", y=y, sample_weight=sample_weight,
+                        batch_size=batch_size)
+        creator = x if isinstance(x, DatasetCreator) else DatasetCreator(
+            x.dataset_fn, getattr(x, "input_options", None))
+        spec = creator(tf.distribute.InputContext()).element_spec
+        return WorkerInput(element_spec=spec, dataset_fn=creator, options=creator.input_options)
+
+    if isinstance(x, tf.data.Dataset):
+        _check_no_extra(arg, "tf.data.Dataset", y=y, sample_weight=sample_weight,
+                        batch_size=batch_size)
+        cardinality = int(x.cardinality())
+        if training or cardinality == tf.data.INFINITE_CARDINALITY:
+            dataset = x if cardinality == tf.data.INFINITE_CARDINALITY else x.repeat()
+            return WorkerInput(element_spec=x.element_spec, dataset=dataset,
+                               num_batches=cardinality if cardinality >= 0 else None)
+        return ShippedInput(dataset=x, element_spec=x.element_spec,
+                            num_batches=cardinality if cardinality >= 0 else None)
+
+    structure = tuple(v for v in (x, y, sample_weight) if v is not None)
+    leaves = tf.nest.flatten(structure)
+    if not leaves or not all(_is_array_like(leaf) for leaf in leaves):
+        bad = next((leaf for leaf in leaves if not _is_array_like(leaf)), x)
+        raise _unsupported(arg, bad if leaves else x)
+    arrays = _to_arrays(structure)
+    if len(arrays) == 1:
+        arrays = arrays[0]
+    rows = _num_rows(arrays, arg)
+    batch_size = batch_size or DEFAULT_BATCH_SIZE
+    num_batches = math.ceil(rows / batch_size)
+    if training:
+        def dataset_fn(input_context):
+            dataset = tf.data.Dataset.from_tensor_slices(arrays)
+            if shuffle:
+                dataset = dataset.shuffle(rows, reshuffle_each_iteration=True)
+            batch = input_context.get_per_replica_batch_size(batch_size)
+            return dataset.repeat().batch(batch).prefetch(tf.data.AUTOTUNE)
+
+        dataset_fn.__name__ = f"{arg}_arrays"
+        creator = DatasetCreator(dataset_fn)
+        spec = creator(tf.distribute.InputContext()).element_spec
+        return WorkerInput(element_spec=spec, dataset_fn=creator, num_batches=num_batches)
+    dataset = tf.data.Dataset.from_tensor_slices(arrays).batch(batch_size)
+    return ShippedInput(dataset=dataset, element_spec=dataset.element_spec,
+                        num_batches=num_batches)
+
+
+def check_steps(name, value, required_because=None):
+    """Validates a `steps`-like argument; returns it (None allowed unless required)."""
+    if value is None:
+        if required_because:
+            raise ValueError(
+                f"`{name}` is required {required_because}: parameter-server workers read "
+                f"their own (usually repeated) datasets, so the end of the data does not end "
+                f"the loop. Received: {name}=None. Pass e.g. {name}=100."
+            )
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(
+            f"`{name}` must be a positive integer. Received: {name}={value!r}. "
+            f"Pass the number of batches, e.g. {name}=100."
+        )
+    return int(value)

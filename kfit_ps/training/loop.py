@@ -1,0 +1,340 @@
+"""Parameter-server `fit`, `evaluate` and `predict` for Keras 3 models.
+
+Entered through the ordinary `model.fit` / `evaluate` / `predict` of a model
+created under a kfit_ps strategy (see `kfit_ps.training.install`).
+
+Who owns what:
+
+- **Arguments** (`steps_per_epoch`, `steps`, `validation_steps`, input types):
+  validated here and in `inputs.adapt`, before anything is scheduled.
+- **Model state**: built here, under the strategy scope, from the input's
+  element spec (`_prepare`), then checked to live on the ps tasks.
+- **Per-worker datasets**: created once per call with
+  `ClusterCoordinator.create_per_worker_dataset`; their iterators continue
+  across epochs, so an epoch is `steps_per_epoch` batches, not a pass.
+- **Scheduling**: `ceil(steps / steps_per_execution)` functions per epoch
+  (`functions.ScheduledFunctions`), each running on whichever worker is free.
+- **`join()`**: exactly once per epoch and once per evaluation; it is the only
+  synchronisation. TensorFlow re-runs a function whose worker died.
+- **Metric reads**: after `join()`, on the coordinator (`_logs`), converted to
+  Python floats.
+- **Callbacks**: a Keras `CallbackList`; batch-level semantics in
+  `callback_policy`. **Progress**: `progress.Progress`.
+"""
+
+import numpy as np
+import tensorflow as tf
+from keras.callbacks import CallbackList
+
+from kfit_ps import _tf_compat
+from kfit_ps.strategy import is_kfit_strategy
+from kfit_ps.training import functions, inputs
+from kfit_ps.training.callback_policy import check_callbacks
+from kfit_ps.training.progress import Progress, resolve_verbose
+
+
+def strategy_for(model):
+    """The kfit_ps strategy that owns `model`, or None (stock Keras then runs)."""
+    strategy = _tf_compat.model_strategy(model)
+    if is_kfit_strategy(strategy):
+        return strategy
+    if strategy is None and tf.distribute.has_strategy():
+        current = tf.distribute.get_strategy()
+        if is_kfit_strategy(current):
+            return current
+    return None
+
+
+# Preparation ---------------------------------------------------------------------------------
+
+
+def _prepare(model, strategy, element_spec, method):
+    if getattr(model, "run_eagerly", False):
+        raise ValueError(
+            f"`{method}` under parameter-server training runs compiled functions on remote "
+            "workers and cannot run eagerly. Received: run_eagerly=True. Compile with "
+            "run_eagerly=False (the default)."
+        )
+    if method != "predict" and not model.compiled:
+        raise ValueError(
+            f"You must call `compile()` before `{method}()`. Compile the model inside "
+            "`with strategy.scope():` so its optimizer and metrics live on the ps tasks."
+        )
+    _check_placement(model, method)  # Before building: name the misplaced object, not TF.
+    with strategy.scope():
+        _tf_compat.symbolic_build(model, element_spec)
+    _check_placement(model, method)
+
+
+def _check_placement(model, method):
+    groups = [("model", model.variables), ("metric", model.metrics_variables)]
+    if getattr(model, "optimizer", None) is not None:
+        groups.append(("optimizer", model.optimizer.variables))
+    for kind, variables in groups:
+        for v in variables:
+            if not _tf_compat.is_kfit_variable(v):
+                device = getattr(_tf_compat.storage(v), "device", "?")
+                raise ValueError(
+                    f"`{method}` was called on model {model.name!r} whose {kind} variable "
+                    f"{v.path!r} was created outside the kfit_ps strategy scope (it lives on "
+                    f"{device}, not on a ps task). Create the model and call `compile()` inside "
+                    "`with strategy.scope():`, then call `fit`/`evaluate`/`predict`."
+                )
+
+
+def _per_worker_iterator(strategy, worker_input):
+    coordinator = strategy.coordinator
+    if worker_input.dataset is not None:
+        distributed = strategy.experimental_distribute_dataset(worker_input.dataset)
+        return iter(coordinator.create_per_worker_dataset(distributed))
+
+    def per_worker_dataset_fn():
+        return strategy.distribute_datasets_from_function(
+            worker_input.dataset_fn, worker_input.options)
+
+    return iter(coordinator.create_per_worker_dataset(per_worker_dataset_fn))
+
+
+def _pythonify(logs):
+    result = {}
+    for key, value in sorted(logs.items()):
+        if isinstance(value, dict):
+            result.update(_pythonify(value))
+            continue
+        array = np.asarray(value)
+        result[key] = float(array) if array.ndim == 0 else array
+    return result
+
+
+def _logs(model):
+    return _pythonify(model.get_metrics_result())
+
+
+def _schedule_steps(coordinator, total, k, function_for, args, on_begin, on_end):
+    """Schedules `total` steps in functions of at most `k` steps.
+
+    Batch hooks: begin(first step), end(last step) per function, except the
+    final end, which the caller makes after synchronising.
+    """
+    step = 0
+    while step < total:
+        n = min(k, total - step)
+        on_begin(step)
+        coordinator.schedule(function_for(n), args=args)
+        step += n
+        if step < total:
+            on_end(step - 1, {})
+
+
+# Evaluation (shared by evaluate and fit's validation) ----------------------------------------
+
+
+class _Evaluation:
+    """Evaluation input of one `evaluate` call or one `fit` call's validation."""
+
+    def __init__(self, model, strategy, eval_input, steps, arg):
+        self.model, self.strategy, self.input = model, strategy, eval_input
+        self.steps = inputs.check_steps(
+            arg, steps, required_because=(
+                "for a DatasetCreator or an infinite dataset" if isinstance(
+                    eval_input, inputs.WorkerInput) else None))
+        self._iterator = None
+
+    @property
+    def num_steps(self):
+        return self.steps or self.input.num_batches
+
+    def run(self, callbacks):
+        model, strategy = self.model, self.strategy
+        coordinator = strategy.coordinator
+        fns = functions.for_model(model, strategy, "test_function")
+        model.reset_metrics()
+        callbacks.on_test_begin()
+        last = -1
+        if isinstance(self.input, inputs.WorkerInput):
+            if self._iterator is None:
+                self._iterator = _per_worker_iterator(strategy, self.input)
+            _schedule_steps(coordinator, self.steps, model.steps_per_execution, fns.test,
+                            (self._iterator,), callbacks.on_test_batch_begin,
+                            callbacks.on_test_batch_end)
+            last = self.steps - 1
+        else:
+            step_fn = fns.test_batch()
+            for last, batch in enumerate(self.input.dataset):
+                if self.steps is not None and last >= self.steps:
+                    last -= 1
+                    break
+                callbacks.on_test_batch_begin(last)
+                coordinator.schedule(step_fn, args=(batch,))
+                callbacks.on_test_batch_end(last, {})
+        coordinator.join()
+        logs = _logs(model)
+        if isinstance(self.input, inputs.WorkerInput) and last >= 0:
+            callbacks.on_test_batch_end(last, dict(logs))
+        callbacks.on_test_end(logs)
+        return logs
+
+
+# fit -----------------------------------------------------------------------------------------
+
+
+def _unpack_validation(validation_data):
+    if isinstance(validation_data, (tuple, list)) and len(validation_data) in (2, 3):
+        return tuple(validation_data) + (None,) * (3 - len(validation_data))
+    return validation_data, None, None
+
+
+def _check_int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}.")
+    return int(value)
+
+
+def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+        validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
+        sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
+        validation_batch_size=None, validation_freq=1):
+    """Parameter-server `Model.fit`; same arguments and return value as Keras'."""
+    strategy = strategy_for(model)
+    if validation_split:
+        raise ValueError(
+            "`validation_split` is not supported under parameter-server training: workers read "
+            f"their own data. Received: validation_split={validation_split!r}. Pass "
+            "`validation_data` (and `validation_steps` for a DatasetCreator) instead.")
+    if class_weight is not None:
+        raise ValueError(
+            "`class_weight` is not supported under parameter-server training. Received: "
+            f"class_weight={class_weight!r}. Add per-example weights to the dataset as "
+            "(x, y, sample_weight) instead.")
+    epochs = _check_int("epochs", epochs, 0)
+    initial_epoch = _check_int("initial_epoch", initial_epoch, 0)
+    validation_freq = _check_int("validation_freq", validation_freq, 1)
+    verbose = resolve_verbose(verbose)
+
+    train_input = inputs.adapt(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
+                               training=True)
+    from_arrays = train_input.dataset is None and train_input.num_batches is not None
+    if steps_per_epoch is None and from_arrays:
+        steps_per_epoch = train_input.num_batches
+    steps_per_epoch = inputs.check_steps(
+        "steps_per_epoch", steps_per_epoch,
+        required_because="with a DatasetCreator or a tf.data.Dataset")
+    evaluation = None
+    if validation_data is not None:
+        vx, vy, vw = _unpack_validation(validation_data)
+        val_input = inputs.adapt(vx, vy, vw, batch_size=validation_batch_size or batch_size,
+                                 shuffle=False, training=False, arg="validation_data")
+        evaluation = _Evaluation(model, strategy, val_input, validation_steps,
+                                 "validation_steps")
+    check_callbacks(callbacks)
+    _prepare(model, strategy, train_input.element_spec, "fit")
+
+    coordinator = strategy.coordinator
+    fns = functions.for_model(model, strategy, "train_function")
+    iterator = _per_worker_iterator(strategy, train_input)
+    callbacks = CallbackList(callbacks, add_history=True, add_progbar=False, model=model,
+                             verbose=verbose, epochs=epochs, steps=steps_per_epoch)
+    progress = Progress(verbose, epochs, steps_per_epoch)
+    iterations = model.optimizer.iterations if model.optimizer is not None else None
+
+    model.stop_training = False
+    callbacks.on_train_begin()
+    initial_epoch = _tf_compat.initial_epoch_override(model) or initial_epoch
+    logs = {}
+    for epoch in range(initial_epoch, epochs):
+        model.reset_metrics()
+        callbacks.on_epoch_begin(epoch)
+        _schedule_steps(coordinator, steps_per_epoch, model.steps_per_execution, fns.train,
+                        (iterator,), callbacks.on_train_batch_begin,
+                        callbacks.on_train_batch_end)
+        counter = None
+        if progress.verbose == 1 and iterations is not None:
+            start = int(iterations.numpy())
+            counter = lambda start=start: int(iterations.numpy()) - start  # noqa: E731
+        progress.epoch_begin(epoch, counter)
+        coordinator.join()
+        logs = _logs(model)
+        callbacks.on_train_batch_end(steps_per_epoch - 1, dict(logs))
+        if evaluation is not None and (epoch + 1) % validation_freq == 0:
+            val_logs = evaluation.run(callbacks)
+            logs.update({f"val_{k}": v for k, v in val_logs.items()})
+        progress.epoch_end(logs)
+        callbacks.on_epoch_end(epoch, logs)
+        if model.stop_training:
+            break
+    callbacks.on_train_end(logs)
+    return model.history
+
+
+# evaluate / predict --------------------------------------------------------------------------
+
+
+def evaluate(model, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
+             steps=None, callbacks=None, return_dict=False, **kwargs):
+    """Parameter-server `Model.evaluate`; same arguments and return value as Keras'."""
+    if kwargs:
+        raise ValueError(f"Arguments not recognised by `evaluate`: {sorted(kwargs)}.")
+    strategy = strategy_for(model)
+    verbose = resolve_verbose(verbose)
+    eval_input = inputs.adapt(x, y, sample_weight, batch_size=batch_size, shuffle=False,
+                              training=False)
+    evaluation = _Evaluation(model, strategy, eval_input, steps, "steps")
+    check_callbacks(callbacks)
+    _prepare(model, strategy, eval_input.element_spec, "evaluate")
+    callbacks = CallbackList(callbacks, add_progbar=False, model=model, verbose=verbose,
+                             epochs=1, steps=evaluation.num_steps)
+    progress = Progress(verbose, 1, evaluation.num_steps or 1)
+    progress.epoch_begin(0)
+    logs = evaluation.run(callbacks)
+    progress.epoch_end(logs)
+    if return_dict:
+        return logs
+    return _tf_compat.flatten_metrics_in_order(model, logs)
+
+
+def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+    """Parameter-server `Model.predict`; returns numpy outputs like Keras'.
+
+    Finite inputs (numpy, finite datasets) are shipped batch by batch and the
+    outputs keep their order. With a DatasetCreator or an infinite dataset each
+    function predicts the next batch of the worker it runs on; outputs are in
+    scheduling order, which does not follow any one worker's data order.
+    """
+    strategy = strategy_for(model)
+    verbose = resolve_verbose(verbose)
+    pred_input = inputs.adapt(x, batch_size=batch_size, shuffle=False, training=False)
+    steps = inputs.check_steps("steps", steps, required_because=(
+        "for a DatasetCreator or an infinite dataset" if isinstance(
+            pred_input, inputs.WorkerInput) else None))
+    check_callbacks(callbacks)
+    _prepare(model, strategy, pred_input.element_spec, "predict")
+    coordinator = strategy.coordinator
+    fns = functions.for_model(model, strategy, "predict_function")
+    num_steps = steps or pred_input.num_batches
+    callbacks = CallbackList(callbacks, add_progbar=False, model=model, verbose=verbose,
+                             epochs=1, steps=num_steps)
+    progress = Progress(verbose, 1, num_steps or 1)
+    callbacks.on_predict_begin()
+    progress.epoch_begin(0)
+    results = []
+    if isinstance(pred_input, inputs.WorkerInput):
+        iterator = _per_worker_iterator(strategy, pred_input)
+        for step in range(steps):
+            callbacks.on_predict_batch_begin(step)
+            results.append(coordinator.schedule(fns.predict_next(), args=(iterator,)))
+            callbacks.on_predict_batch_end(step, {})
+    else:
+        step_fn = fns.predict_batch()
+        for step, batch in enumerate(pred_input.dataset):
+            if steps is not None and step >= steps:
+                break
+            callbacks.on_predict_batch_begin(step)
+            results.append(coordinator.schedule(step_fn, args=(batch,)))
+            callbacks.on_predict_batch_end(step, {})
+    coordinator.join()
+    outputs = [r.fetch() for r in results]
+    progress.epoch_end({})
+    callbacks.on_predict_end()
+    if not outputs:
+        raise ValueError("`predict` received no data: the input has no batches.")
+    return tf.nest.map_structure(lambda *parts: np.concatenate(parts, axis=0), *outputs)

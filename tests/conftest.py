@@ -1,0 +1,58 @@
+"""Shared fixtures: one real LocalCluster for the whole session, and orphan checks.
+
+A chief process connects to one cluster for its lifetime, so tests that need
+another cluster shape, or that kill processes, run their chief in a fresh
+subprocess (`helpers.run_chief`).
+"""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import psutil  # noqa: E402
+import pytest  # noqa: E402
+
+from tests import helpers  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    import kfit_ps
+
+    with kfit_ps.LocalCluster(num_workers=2, num_ps=2) as c:
+        yield c
+    assert c.pids() == []
+
+
+@pytest.fixture(scope="session")
+def strategy(cluster):
+    import kfit_ps
+
+    return kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_orphan_servers():
+    """Fails the session if any kfit_ps server process outlives the tests."""
+    before = set(helpers.server_pids())
+    yield
+    import kfit_ps.cluster.local as local
+
+    local._stop_live_clusters()
+    leftover = helpers.wait_for_no_servers(exclude=before, timeout=15)
+    assert leftover == [], f"kfit_ps server processes left running: {leftover}"
+
+
+@pytest.fixture
+def children_reaped():
+    """Asserts a test leaves none of the server processes it started behind."""
+    me = psutil.Process()
+
+    def servers():
+        return {p.pid for p in me.children(recursive=True) if helpers.is_server(p)}
+
+    before = servers()  # e.g. the session cluster's
+    yield
+    left = sorted(servers() - before)
+    assert left == [], f"server processes left by the test: {left}"

@@ -1,0 +1,116 @@
+"""Test helpers: chief subprocesses, server-process discovery, small models."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+
+SERVER_MODULE = "kfit_ps.cluster._server_main"
+RESULT_PREFIX = "KFIT_PS_TEST_RESULT "
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def is_server(proc):
+    try:
+        return SERVER_MODULE in " ".join(proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+
+
+def server_pids():
+    return [p.pid for p in psutil.process_iter() if is_server(p)
+            and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def wait_for_no_servers(pids=None, exclude=(), timeout=10.0):
+    """Waits until none of `pids` (default: every server) runs; returns those left."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in (server_pids() if pids is None else pids)
+                 if p not in exclude and psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def chief_env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_chief(code, timeout=240):
+    """Runs `code` as a fresh chief process; returns the dict it passed to `report()`.
+
+    The code gets `report(**values)` and `import kfit_ps, keras, numpy as np,
+    tensorflow as tf` for free. It should end with `os._exit(0)` after its
+    cluster stopped (TensorFlow's teardown only logs noise then).
+    """
+    prelude = textwrap.dedent(f"""
+        import json, os, sys, time
+        import numpy as np
+        import kfit_ps, keras, tensorflow as tf
+        def report(**values):
+            print({RESULT_PREFIX!r} + json.dumps(values), flush=True)
+    """)
+    proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)],
+                          capture_output=True, text=True, timeout=timeout, env=chief_env(),
+                          cwd=ROOT)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            result = json.loads(line[len(RESULT_PREFIX):])
+            result["_returncode"] = proc.returncode
+            result["_stdout"] = proc.stdout
+            return result
+    raise AssertionError(
+        f"chief subprocess reported nothing (exit {proc.returncode}).\n"
+        f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}")
+
+
+def counting_metric():
+    """A Keras metric whose value is the number of batches it saw."""
+    import keras
+
+    class BatchCount(keras.metrics.Metric):
+        def __init__(self, name="batches", **kwargs):
+            super().__init__(name=name, **kwargs)
+            self.count = self.add_variable(shape=(), initializer="zeros", name="count",
+                                           aggregation="sum")
+
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            self.count.assign_add(1.0)
+
+        def result(self):
+            return self.count
+
+    return BatchCount()
+
+
+def regression_dataset_fn(features=4, batch=16, rows=256):
+    import tensorflow as tf
+
+    def dataset_fn(input_context):
+        x = tf.random.stateless_normal((rows, features), seed=(1, 2))
+        y = tf.reduce_sum(x, axis=1, keepdims=True)
+        return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(rows).repeat().batch(batch)
+
+    return dataset_fn
+
+
+def regression_arrays(rows=200, features=4, seed=0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, features)).astype("float32")
+    return x, x.sum(axis=1, keepdims=True)
+
+
+def dump(obj):
+    return json.dumps(obj)

@@ -1,0 +1,99 @@
+"""The `kfit-ps` command line: server from TF_CONFIG or flags, local cluster."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests import helpers
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kfit_ps_cli(*args, env_extra=None, **kwargs):
+    env = helpers.chief_env()
+    env.pop("TF_CONFIG", None)
+    env.update(env_extra or {})
+    return subprocess.Popen([sys.executable, "-m", "kfit_ps.cli.main", *args], env=env,
+                            cwd=helpers.ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, **kwargs)
+
+
+@pytest.mark.parametrize("tf_config, fragment", [
+    ("{bad json", "not valid JSON"),
+    (json.dumps({"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker"}}),
+     "no 'ps' task"),
+    (json.dumps({"cluster": {"worker": ["localhost:1"], "ps": ["localhost:2"]},
+                 "task": {"type": "ps", "index": 3}}), "out of range"),
+    (json.dumps({"cluster": {"worker": ["localhost:1"], "ps": ["localhost:2"],
+                             "chief": ["localhost:3"]}, "task": {"type": "chief"}}),
+     "runs a 'worker' or 'ps' task"),
+])
+def test_server_rejects_bad_tf_config(tf_config, fragment):
+    proc = kfit_ps_cli("server", env_extra={"TF_CONFIG": tf_config})
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert fragment in err and "TF_CONFIG" in err
+
+
+def test_server_without_tf_config_or_flags():
+    proc = kfit_ps_cli("server")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "TF_CONFIG is not set" in err
+
+
+@pytest.mark.slow
+def test_server_serves_from_tf_config_and_warns():
+    cluster = {"worker": [f"localhost:{free_port()}"], "ps": [f"localhost:{free_port()}"]}
+    tf_config = json.dumps({"cluster": cluster, "task": {"type": "ps", "index": 0}})
+    proc = kfit_ps_cli("server", env_extra={"TF_CONFIG": tf_config})
+    try:
+        port = int(cluster["ps"][0].rsplit(":", 1)[1])
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None, proc.communicate()[1]
+                time.sleep(0.2)
+        else:
+            pytest.fail("kfit-ps server did not listen")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert "listens on ALL network interfaces" in err
+    assert "unauthenticated" in err
+    assert "task=ps:0" in err  # effective configuration is logged
+
+
+def test_server_flags_override_tf_config():
+    proc = kfit_ps_cli("server", "--cluster", '{"worker": ["localhost:1"], "ps": ["localhost:2"]}',
+                       "--task-type", "worker", "--task-index", "4")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert "Invalid --cluster" in err and "out of range" in err
+
+
+@pytest.mark.slow
+def test_local_prints_tf_config_and_stops_cleanly():
+    proc = kfit_ps_cli("local", "--workers", "1", "--ps", "1")
+    line = proc.stdout.readline()
+    tf_config = json.loads(json.loads(line)["TF_CONFIG"])
+    assert tf_config["task"] == {"type": "chief", "index": 0}
+    assert len(tf_config["cluster"]["worker"]) == 1
+    children = [p for p in helpers.psutil.Process(proc.pid).children() if helpers.is_server(p)]
+    assert len(children) == 2
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    assert helpers.wait_for_no_servers([c.pid for c in children], timeout=10) == []

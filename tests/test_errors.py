@@ -1,0 +1,131 @@
+"""Every listed bad input raises a clear error naming the argument, and runs nothing."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kfit_ps
+from tests import helpers
+
+
+@pytest.fixture
+def model(strategy):
+    with strategy.scope():
+        m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        m.compile(optimizer="sgd", loss="mse")
+    return m
+
+
+def data():
+    return kfit_ps.DatasetCreator(helpers.regression_dataset_fn())
+
+
+def check(exc_info, *fragments):
+    message = str(exc_info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+def test_dataset_creator_or_dataset_without_steps_per_epoch(model):
+    with pytest.raises(ValueError) as info:
+        model.fit(data(), epochs=1)
+    check(info, "`steps_per_epoch` is required", "Received: steps_per_epoch=None")
+    dataset = tf.data.Dataset.from_tensors((tf.ones((2, 4)), tf.ones((2, 1))))
+    with pytest.raises(ValueError) as info:
+        model.fit(dataset, epochs=1)
+    check(info, "`steps_per_epoch` is required")
+
+
+@pytest.mark.parametrize("steps", [0, -3, 2.5, "10"])
+def test_bad_steps_per_epoch(model, steps):
+    with pytest.raises(ValueError) as info:
+        model.fit(data(), epochs=1, steps_per_epoch=steps)
+    check(info, "`steps_per_epoch` must be a positive integer", f"steps_per_epoch={steps!r}")
+
+
+def test_evaluate_and_predict_on_infinite_input_without_steps(model):
+    with pytest.raises(ValueError) as info:
+        model.evaluate(data())
+    check(info, "`steps` is required", "Received: steps=None")
+    infinite = tf.data.Dataset.from_tensors(tf.ones((2, 4))).repeat()
+    with pytest.raises(ValueError) as info:
+        model.evaluate(infinite)
+    check(info, "`steps` is required")
+    with pytest.raises(ValueError) as info:
+        model.predict(infinite)
+    check(info, "`steps` is required")
+    with pytest.raises(ValueError) as info:
+        model.fit(data(), epochs=1, steps_per_epoch=2, validation_data=data())
+    check(info, "`validation_steps` is required")
+
+
+def test_non_callable_dataset_fn():
+    with pytest.raises(ValueError) as info:
+        kfit_ps.DatasetCreator([1, 2, 3])
+    check(info, "`dataset_fn` must be a callable", "Received: dataset_fn=[1, 2, 3]")
+
+
+def test_dataset_fn_returning_no_dataset(model):
+    def dataset_fn(input_context):
+        return np.ones((4, 4))
+
+    with pytest.raises(ValueError) as info:
+        model.fit(kfit_ps.DatasetCreator(dataset_fn), epochs=1, steps_per_epoch=2)
+    check(info, "`dataset_fn` (dataset_fn) must return a tf.data.Dataset", "ndarray")
+
+
+def test_run_eagerly(strategy):
+    with strategy.scope():
+        m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        m.compile(optimizer="sgd", loss="mse", run_eagerly=True)
+    with pytest.raises(ValueError) as info:
+        m.fit(data(), epochs=1, steps_per_epoch=2)
+    check(info, "run_eagerly=True", "run_eagerly=False")
+
+
+@pytest.mark.parametrize("bad", ["a string", {"a", "set"}, object(), [object()]])
+def test_unsupported_input_type_lists_supported_inputs(model, bad):
+    with pytest.raises(ValueError) as info:
+        model.fit(bad, epochs=1, steps_per_epoch=2)
+    check(info, "does not support `x`", "DatasetCreator", "tf.data.Dataset", "numpy")
+
+
+def test_fit_in_scope_on_model_built_outside(strategy):
+    outside = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    outside.compile(optimizer="sgd", loss="mse")
+    with strategy.scope():
+        with pytest.raises(ValueError) as info:
+            outside.fit(data(), epochs=1, steps_per_epoch=2)
+    check(info, "created outside the kfit_ps strategy scope", "with strategy.scope():",
+          "/job:chief")
+
+
+def test_other_unsupported_fit_arguments(model):
+    x, y = helpers.regression_arrays(rows=10)
+    with pytest.raises(ValueError) as info:
+        model.fit(x, y, validation_split=0.2)
+    check(info, "`validation_split`", "validation_split=0.2")
+    with pytest.raises(ValueError) as info:
+        model.fit(x, y, class_weight={0: 1.0})
+    check(info, "`class_weight`")
+    with pytest.raises(ValueError) as info:
+        model.fit(data(), y, steps_per_epoch=2)
+    check(info, "`y` must be None when `x` is a DatasetCreator")
+    with pytest.raises(ValueError) as info:
+        model.fit(x, y, verbose=3)
+    check(info, "`verbose`", "verbose=3")
+    with pytest.raises(ValueError) as info:
+        model.fit(x, y, batch_size=0)
+    check(info, "`batch_size`", "batch_size=0")
+    with pytest.raises(ValueError) as info:
+        model.fit(x, y[:5])
+    check(info, "same number of rows")
+
+
+def test_fit_before_compile(strategy):
+    with strategy.scope():
+        m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    with pytest.raises(ValueError) as info:
+        m.fit(data(), epochs=1, steps_per_epoch=2)
+    check(info, "call `compile()` before `fit()`")

@@ -1,0 +1,180 @@
+"""Parameter-server fit / evaluate / predict on a real 2-worker, 2-ps cluster."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kfit_ps
+from tests import helpers
+
+
+def compiled_model(strategy, kind="sequential", steps_per_execution=1, metrics=None,
+                   optimizer="sgd", features=4):
+    with strategy.scope():
+        if kind == "sequential":
+            model = keras.Sequential([keras.Input((features,)),
+                                      keras.layers.Dense(8, activation="relu"),
+                                      keras.layers.Dense(1)])
+        elif kind == "functional":
+            inputs = keras.Input((features,))
+            hidden = keras.layers.Dense(8, activation="relu")(inputs)
+            model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+        else:
+            class Subclassed(keras.Model):
+                def __init__(self):
+                    super().__init__()
+                    self.hidden = keras.layers.Dense(8, activation="relu")
+                    self.out = keras.layers.Dense(1)
+
+                def call(self, x):
+                    return self.out(self.hidden(x))
+
+            model = Subclassed()
+        model.compile(optimizer=optimizer() if callable(optimizer) else optimizer, loss="mse",
+                      metrics=[helpers.counting_metric()] + (metrics() if metrics else []),
+                      steps_per_execution=steps_per_execution)
+    return model
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 5])
+def test_counts_are_exact(strategy, steps_per_execution):
+    model = compiled_model(strategy, steps_per_execution=steps_per_execution)
+    vx, vy = helpers.regression_arrays(rows=64)
+    val = kfit_ps.DatasetCreator(helpers.regression_dataset_fn())
+    history = model.fit(kfit_ps.DatasetCreator(helpers.regression_dataset_fn()), epochs=3,
+                        steps_per_epoch=20, validation_data=val, validation_steps=7,
+                        verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 60
+    assert history.history["batches"] == [20.0, 20.0, 20.0]
+    assert history.history["val_batches"] == [7.0, 7.0, 7.0]
+    assert history.epoch == [0, 1, 2]
+    for values in history.history.values():
+        assert all(type(v) is float for v in values)
+    # Shipped (numpy) validation: every batch exactly once.
+    history = model.fit(kfit_ps.DatasetCreator(helpers.regression_dataset_fn()), epochs=1,
+                        steps_per_epoch=3, validation_data=(vx, vy), validation_batch_size=10,
+                        verbose=0)
+    assert history.history["val_batches"] == [7.0]
+    assert int(model.optimizer.iterations.numpy()) == 63
+
+
+@pytest.mark.parametrize("kind", ["sequential", "functional", "subclassed"])
+def test_model_kinds_learn(strategy, kind):
+    model = compiled_model(strategy, kind=kind, optimizer=lambda: keras.optimizers.Adam(0.02))
+    history = model.fit(kfit_ps.DatasetCreator(helpers.regression_dataset_fn()), epochs=4,
+                        steps_per_epoch=25, verbose=0)
+    losses = history.history["loss"]
+    assert losses[-1] < losses[0] * 0.5, losses
+    assert int(model.optimizer.iterations.numpy()) == 100
+    # All state lives on the ps tasks.
+    for v in model.variables + model.optimizer.variables + model.metrics_variables:
+        assert kfit_ps._tf_compat.storage(v).device.startswith("/job:ps/")
+
+
+def test_numpy_and_dataset_inputs(strategy):
+    model = compiled_model(strategy)
+    x, y = helpers.regression_arrays(rows=100)
+    history = model.fit(x, y, batch_size=10, epochs=2, verbose=0)
+    assert history.history["batches"] == [10.0, 10.0]  # ceil(100 / 10) steps per epoch
+    weights = np.ones((100, 1), "float32")
+    history = model.fit(x, y, sample_weight=weights, batch_size=25, epochs=1,
+                        steps_per_epoch=6, verbose=0)
+    assert history.history["batches"] == [6.0]
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(20)  # finite: repeated
+    history = model.fit(dataset, epochs=2, steps_per_epoch=8, verbose=0)
+    assert history.history["batches"] == [8.0, 8.0]
+    assert int(model.optimizer.iterations.numpy()) == 20 + 6 + 16
+
+
+def test_evaluate_returns_what_keras_returns(strategy):
+    model = compiled_model(strategy, metrics=lambda: [keras.metrics.MeanAbsoluteError(name="mae")])
+    x, y = helpers.regression_arrays(rows=95)
+    result = model.evaluate(x, y, batch_size=10, verbose=0)
+    assert isinstance(result, list) and len(result) == 3
+    logs = model.evaluate(x, y, batch_size=10, verbose=0, return_dict=True)
+    assert logs["batches"] == 10.0  # ceil(95 / 10), each batch exactly once
+    assert set(logs) == {"loss", "batches", "mae"}
+    # Same numbers as single-machine Keras with the same weights.
+    reference = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.Dense(1)])
+    reference.compile(loss="mse", metrics=[keras.metrics.MeanAbsoluteError(name="mae")])
+    reference.set_weights(model.get_weights())
+    expected = reference.evaluate(x, y, batch_size=10, verbose=0, return_dict=True)
+    assert logs["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    assert logs["mae"] == pytest.approx(expected["mae"], rel=1e-5)
+    # Steps from per-worker input.
+    logs = model.evaluate(kfit_ps.DatasetCreator(helpers.regression_dataset_fn()), steps=9,
+                          verbose=0, return_dict=True)
+    assert logs["batches"] == 9.0
+    logs = model.evaluate(x, y, batch_size=10, steps=4, verbose=0, return_dict=True)
+    assert logs["batches"] == 4.0
+
+
+def test_single_output_evaluate_is_a_scalar(strategy):
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    x, y = helpers.regression_arrays(rows=20)
+    assert isinstance(model.evaluate(x, y, verbose=0), float)
+
+
+def test_predict_equals_single_machine_keras(strategy):
+    model = compiled_model(strategy, kind="functional")
+    model.fit(kfit_ps.DatasetCreator(helpers.regression_dataset_fn()), epochs=1,
+              steps_per_epoch=5, verbose=0)
+    x, _ = helpers.regression_arrays(rows=70, seed=3)
+    predictions = model.predict(x, batch_size=16, verbose=0)
+    inputs = keras.Input((4,))
+    reference = keras.Model(inputs, keras.layers.Dense(1)(
+        keras.layers.Dense(8, activation="relu")(inputs)))
+    reference.set_weights(model.get_weights())
+    expected = reference.predict(x, batch_size=16, verbose=0)
+    assert predictions.shape == (70, 1)
+    np.testing.assert_allclose(predictions, expected, rtol=1e-6, atol=1e-6)
+    ordered = model.predict(tf.data.Dataset.from_tensor_slices(x).batch(16), verbose=0)
+    np.testing.assert_allclose(ordered, expected, rtol=1e-6, atol=1e-6)
+    from_workers = model.predict(kfit_ps.DatasetCreator(
+        lambda ctx: tf.data.Dataset.from_tensor_slices(x).repeat().batch(10)), steps=3,
+        verbose=0)
+    assert from_workers.shape == (30, 1)
+
+
+def test_models_outside_kfit_keep_stock_keras(strategy):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = helpers.regression_arrays(rows=32)
+    history = model.fit(x, y, epochs=2, batch_size=8, verbose=0)
+    assert len(history.history["loss"]) == 2
+    assert int(model.optimizer.iterations.numpy()) == 8
+    assert model.train_function is not None and not isinstance(
+        model.train_function, kfit_ps.training.functions.ScheduledFunctions)
+    assert model.variables[0].value.device.endswith("CPU:0")
+    assert "/job:ps" not in model.variables[0].value.device
+
+
+def test_recompile_retraces(strategy):
+    model = compiled_model(strategy, steps_per_execution=2)
+    fit_args = dict(x=kfit_ps.DatasetCreator(helpers.regression_dataset_fn()), epochs=1,
+                    steps_per_epoch=5, verbose=0)
+    model.fit(**fit_args)
+    first = model.train_function
+    model.fit(**fit_args)
+    assert model.train_function is first  # traced functions are reused
+    with strategy.scope():
+        model.compile(optimizer="sgd", loss="mae", metrics=[helpers.counting_metric()],
+                      steps_per_execution=3)
+    history = model.fit(**fit_args)
+    assert model.train_function is not first
+    assert history.history["batches"] == [5.0]
+
+
+def test_initial_epoch_and_zero_epochs(strategy):
+    model = compiled_model(strategy)
+    history = model.fit(kfit_ps.DatasetCreator(helpers.regression_dataset_fn()), epochs=3,
+                        initial_epoch=1, steps_per_epoch=4, verbose=0)
+    assert history.epoch == [1, 2]
+    assert int(model.optimizer.iterations.numpy()) == 8
+    assert math.isfinite(history.history["loss"][-1])

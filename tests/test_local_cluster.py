@@ -1,0 +1,124 @@
+"""LocalCluster: real server processes, their lifecycle, and no orphans ever."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pytest
+
+from kfit_ps import LocalCluster, constants
+from tests import helpers
+
+
+def accepts(address):
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_start_kill_restart_stop(children_reaped):
+    with LocalCluster(num_workers=2, num_ps=1) as cluster:
+        assert len(cluster.pids()) == 3
+        for task in (("worker", 0), ("worker", 1), ("ps", 0)):
+            assert accepts(cluster.address(*task))
+            assert helpers.is_server(psutil.Process(cluster.pid(*task)))
+        spec = cluster.cluster_resolver.cluster_spec().as_dict()
+        assert set(spec) == {"chief", "worker", "ps"}
+        assert cluster.cluster_resolver.task_type == "chief"
+
+        old_pid, address = cluster.pid("worker", 0), cluster.address("worker", 0)
+        cluster.kill("worker", 0)
+        assert not psutil.pid_exists(old_pid) or psutil.Process(old_pid).status() == "zombie"
+        assert not accepts(address)
+        with pytest.raises(RuntimeError, match="still running"):
+            cluster.restart("worker", 1)
+        cluster.restart("worker", 0)
+        assert cluster.pid("worker", 0) != old_pid
+        assert cluster.address("worker", 0) == address and accepts(address)
+        pids = cluster.pids()
+    assert helpers.wait_for_no_servers(pids, timeout=10) == []
+    assert cluster.pids() == []
+
+
+def test_exception_inside_with_stops_servers(children_reaped):
+    with pytest.raises(KeyError):
+        with LocalCluster(num_workers=1, num_ps=1) as cluster:
+            pids = cluster.pids()
+            assert len(pids) == 2
+            raise KeyError("boom")
+    assert helpers.wait_for_no_servers(pids, timeout=10) == []
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"num_workers": 0}, "num_workers"),
+    ({"num_workers": "2"}, "num_workers"),
+    ({"num_ps": -1}, "num_ps"),
+    ({"num_ps": True}, "num_ps"),
+    ({"worker_threads": 0}, "worker_threads"),
+])
+def test_bad_arguments_name_the_argument(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment) as info:
+        LocalCluster(**kwargs)
+    assert "Received" in str(info.value)
+
+
+def test_unstarted_cluster_errors():
+    cluster = LocalCluster(num_workers=1, num_ps=1)
+    with pytest.raises(RuntimeError, match="started cluster"):
+        cluster.cluster_resolver
+    with pytest.raises(RuntimeError, match="started cluster"):
+        cluster.kill("worker", 0)
+
+
+def test_worker_threads_never_deadlock_small_machines(monkeypatch):
+    monkeypatch.delenv(constants.WORKER_THREADS_ENV, raising=False)
+    for workers in (1, 2, 8, 32):
+        assert constants.worker_inter_op_threads(workers) >= workers + 1
+    monkeypatch.setenv(constants.WORKER_THREADS_ENV, "7")
+    assert constants.worker_inter_op_threads(2) == 7
+    monkeypatch.setenv(constants.WORKER_THREADS_ENV, "many")
+    with pytest.raises(ValueError, match=constants.WORKER_THREADS_ENV):
+        constants.worker_inter_op_threads(2)
+
+
+OWNER = textwrap.dedent("""
+    import json, sys, time
+    from kfit_ps import LocalCluster
+    with LocalCluster(num_workers=2, num_ps=1) as cluster:
+        print(json.dumps(cluster.pids()), flush=True)
+        time.sleep(600)
+""")
+
+
+def _start_owner():
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True,
+                             env=helpers.chief_env(), cwd=helpers.ROOT, start_new_session=True)
+    line = owner.stdout.readline()
+    assert line, "owner process printed no pids"
+    import json
+
+    pids = json.loads(line)
+    assert len(pids) == 3 and all(psutil.pid_exists(p) for p in pids)
+    return owner, pids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "SIGINT-group"])
+def test_owner_death_leaves_no_servers(how):
+    owner, pids = _start_owner()
+    if how == "SIGKILL":
+        owner.send_signal(signal.SIGKILL)
+    elif how == "SIGTERM":
+        owner.send_signal(signal.SIGTERM)
+    else:  # Ctrl-C in a terminal: SIGINT to the whole foreground process group.
+        os.killpg(owner.pid, signal.SIGINT)
+    owner.wait(timeout=30)
+    assert helpers.wait_for_no_servers(pids, timeout=10) == []

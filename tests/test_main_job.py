@@ -1,0 +1,66 @@
+"""What users run: the README's main job and the examples, as real processes."""
+
+import re
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from tests import helpers
+
+
+def run_and_watch(args, timeout=300):
+    """Runs a command, recording every kfit_ps server it starts; returns (proc, out, pids)."""
+    proc = subprocess.Popen(args, env=helpers.chief_env(), cwd=helpers.ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    pids = set()
+    while proc.poll() is None:
+        try:
+            pids.update(c.pid for c in psutil.Process(proc.pid).children() if helpers.is_server(c))
+        except psutil.NoSuchProcess:
+            pass
+        try:
+            proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            pass
+    out = proc.stdout.read()
+    return proc, out, sorted(pids)
+
+
+@pytest.mark.slow
+def test_quickstart_main_job_learns_and_leaves_nothing():
+    proc, out, pids = run_and_watch([sys.executable, "-m", "kfit_ps.cli.main", "quickstart"])
+    assert proc.returncode == 0, out[-3000:]
+    assert len(pids) == 4  # 2 workers + 2 ps, real processes
+    match = re.search(r"held-out: auc=([0-9.]+) loss=([0-9.]+) \(steps trained: (\d+)", out)
+    assert match, out[-3000:]
+    assert float(match.group(1)) > 0.7
+    assert int(match.group(3)) == 300  # 3 epochs x 100 steps, exactly
+    assert "Epoch 3/3" in out and "100/100" in out
+    assert "Failed to remove function" not in out
+    assert helpers.wait_for_no_servers(pids, timeout=10) == []
+
+
+@pytest.mark.slow
+def test_examples_quickstart_learns():
+    proc, out, pids = run_and_watch([sys.executable, "examples/quickstart.py"])
+    assert proc.returncode == 0, out[-3000:]
+    match = re.search(r"final training AUC: ([0-9.]+)", out)
+    assert match and float(match.group(1)) > 0.7, out[-3000:]
+    assert len(pids) == 4
+    assert "Failed to remove function" not in out
+    assert helpers.wait_for_no_servers(pids, timeout=10) == []
+
+
+def test_readme_quick_start_has_exactly_two_commands_and_ci_runs_the_second():
+    readme = open(f"{helpers.ROOT}/README.md").read()
+    section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```(?:\w+)?\n(.*?)```", section, re.S)
+    assert len(blocks) == 1
+    lines = [line for line in blocks[0].splitlines() if line.strip()]
+    assert len(lines) == 2
+    assert "pip install" in lines[0] and "kfit-ps quickstart" in lines[0]
+    assert "pip install" in lines[1] and "[test]" in lines[1] and "pytest" in lines[1]
+    ci = open(f"{helpers.ROOT}/.ci/run").read()
+    assert lines[1] in ci

@@ -1,0 +1,88 @@
+"""The public API, the layering rules, and the private-API gate."""
+
+import ast
+import pathlib
+import pkgutil
+import subprocess
+import sys
+
+import pytest
+
+import kfit_ps
+from tests import helpers
+
+PACKAGE = pathlib.Path(kfit_ps.__file__).parent
+
+# Which kfit_ps layers each layer may import (DEVELOPERS.md "Layers point one way").
+ALLOWED = {
+    "cli": {"cluster", "training", "strategy", "jobs", "constants", "_tf_compat"},
+    "jobs": {"cluster", "training", "strategy", "constants"},
+    "training": {"strategy", "_tf_compat", "constants", "training"},
+    "cluster": {"constants", "cluster"},
+    "strategy": {"_tf_compat", "constants", "strategy"},
+    "_tf_compat": {"_tf_compat"},
+    "constants": set(),
+}
+
+
+def test_all_is_the_public_api():
+    assert sorted(kfit_ps.__all__) == sorted([
+        "ClusterConfig", "DatasetCreator", "LocalCluster", "ParameterServerStrategy",
+        "__version__"])
+    for name in kfit_ps.__all__:
+        assert getattr(kfit_ps, name) is not None
+    import tensorflow as tf
+
+    assert issubclass(kfit_ps.ParameterServerStrategy, tf.distribute.ParameterServerStrategy)
+
+
+def modules():
+    return sorted(m.name for m in pkgutil.walk_packages([str(PACKAGE)], "kfit_ps."))
+
+
+def kfit_imports(path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for name in names:
+            yield name
+
+
+def layer_of(name):
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(
+    p.relative_to(PACKAGE)))
+def test_layers_point_one_way_and_private_apis_stay_in_tf_compat(path):
+    rel = path.relative_to(PACKAGE)
+    layer = rel.parts[0].removesuffix(".py") if len(rel.parts) > 1 or rel.stem != "__init__" \
+        else None
+    for name in kfit_imports(path):
+        if layer != "_tf_compat":
+            assert not name.startswith(("keras.src", "tensorflow.python", "tf_keras")), (
+                f"{rel} imports private API {name}; go through kfit_ps._tf_compat")
+        if layer in ALLOWED and name.startswith("kfit_ps."):
+            target = layer_of(name)
+            if target in ALLOWED:  # not a public re-export name like kfit_ps.constants
+                assert target in ALLOWED[layer] | {layer}, f"{rel} (layer {layer}) imports {name}"
+
+
+def test_every_module_imports_on_its_own():
+    """Catches import cycles: each module first in a fresh interpreter."""
+    code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
+    for module in modules():
+        proc = subprocess.run([sys.executable, "-c", code, module], env=helpers.chief_env(),
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, f"{module}: {proc.stderr[-2000:]}"
+
+
+def test_no_module_is_huge():
+    for path in PACKAGE.rglob("*.py"):
+        assert len(path.read_text().splitlines()) < 400, path

@@ -1,0 +1,80 @@
+"""The private-API gate: every private TF/Keras use, checked against the installed versions."""
+
+import keras
+import pytest
+import tensorflow as tf
+from keras.src.backend.tensorflow import core as keras_tf_core
+from keras.src.backend.tensorflow import trainer as keras_tf_trainer
+
+from kfit_ps import _tf_compat
+from kfit_ps._tf_compat import keras_trainer, versions
+
+
+def test_versions_are_supported_and_guarded(monkeypatch):
+    _tf_compat.check_versions()
+    monkeypatch.setattr(tf, "__version__", "2.99.0")
+    with pytest.raises(ImportError, match="tensorflow >=2.21,<2.22"):
+        _tf_compat.check_versions()
+
+
+def test_pyproject_pins_match_the_guard():
+    text = open(f"{__import__('tests.helpers').helpers.ROOT}/pyproject.toml").read()
+    for name, (low, high) in versions.SUPPORTED.items():
+        assert f'"{name}>={low[0]}.{low[1]},<{high[0]}.{high[1]}"' in text
+
+
+def test_private_keras_attributes_still_exist():
+    assert hasattr(keras_tf_core.Variable, "_initialize")
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(loss="mse")
+    for name in ("_symbolic_build", "_flatten_metrics_in_order", "_distribute_strategy",
+                 "_initial_epoch"):
+        assert hasattr(model, name), name
+    v = keras.Variable(1.0)
+    assert isinstance(_tf_compat.storage(v), tf.Variable)
+
+
+def test_atomic_updates_install_once_and_keep_stock_behaviour_elsewhere():
+    _tf_compat.install_atomic_updates()
+    _tf_compat.install_atomic_updates()
+    method = keras_tf_core.Variable.assign_add
+    assert hasattr(method, "_kfit_ps_stock")
+    assert not hasattr(method._kfit_ps_stock, "_kfit_ps_stock")  # wrapped exactly once
+    plain = keras.Variable(1.0)
+    assert not _tf_compat.is_kfit_variable(plain)
+    result = plain.assign_add(2.0)  # stock: returns the new value
+    assert float(result) == 3.0
+    marked = tf.Variable(1.0)
+    _tf_compat.mark_kfit_variable(marked)
+    assert _tf_compat.is_kfit_variable(marked)
+
+
+def test_dispatch_routes_only_matching_models():
+    calls = []
+    keras_trainer.install_dispatch("test", lambda m: getattr(m, "_route_me", False),
+                                   fit=lambda m, *a, **k: calls.append("fit") or "routed",
+                                   evaluate=None, predict=None)
+    try:
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        model._route_me = True
+        assert model.fit() == "routed" and calls == ["fit"]
+        model._route_me = False
+        import numpy as np
+
+        history = model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)
+        assert len(history.history["loss"]) == 1
+        assert keras_trainer.stock_method("fit") is not keras_tf_trainer.TensorFlowTrainer.fit
+    finally:
+        keras_trainer._handlers.pop("test")
+
+
+def test_symbolic_build_from_specs_and_metric_order():
+    model = keras.Sequential([keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    spec = (tf.TensorSpec((None, 3)), tf.TensorSpec((None, 1)))
+    _tf_compat.symbolic_build(model, spec)
+    assert model.built and model.optimizer.built and len(model.metrics_variables) > 0
+    assert _tf_compat.flatten_metrics_in_order(model, {"mae": 2.0, "loss": 1.0}) == [1.0, 2.0]
+    assert _tf_compat.initial_epoch_override(model) is None
+    assert _tf_compat.model_strategy(model) is None
