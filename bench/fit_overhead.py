@@ -1,8 +1,10 @@
 """Steady-state `fit` speed: kfit_ps (Keras 3) vs tf_keras's own PS `model.fit` (Keras 2).
 
 Both train the same model (same layers, optimizer, loss, metric, batch size,
-input pipeline) on the same LocalCluster, in one process, in alternating
-repeats. Each repeat times one `fit` call of `--epochs` x `--steps` after a
+input pipeline) on the same cluster shape, in alternating repeats within one
+run of this script. Each repeat is a fresh chief process with its own
+LocalCluster (two coordinators sharing servers in one process disturb each
+other's timings), which times one `fit` call of `--epochs` x `--steps` after a
 warm-up fit (tracing and dataset creation are excluded). Prints steps/s for
 both, the per-repeat ratios and the median ratio (kfit_ps / tf_keras; >= 1.0
 means kfit_ps is at least as fast).
@@ -15,11 +17,15 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+CONTENDERS = ("kfit_ps", "tf_keras")
+RESULT = "FIT_OVERHEAD_RESULT "
 
 
 def dataset_fn_for(features, batch_size):
@@ -77,6 +83,30 @@ def timed_fit(model, data, epochs, steps):
     return epochs * steps / (time.perf_counter() - start)
 
 
+def run_child(args):
+    """One measurement in this process: returns steps/s and the final iterations."""
+    import kfit_ps
+
+    make = {"kfit_ps": make_kfit, "tf_keras": make_tf_keras}[args.child]
+    with kfit_ps.LocalCluster(num_workers=args.workers, num_ps=args.ps) as cluster:
+        model, data = make(cluster, args)
+        timed_fit(model, data, 1, 20)  # warm-up: tracing, datasets, first steps
+        rate = timed_fit(model, data, args.epochs, args.steps)
+        iterations = int(model.optimizer.iterations.numpy())
+        del model, data
+    print(RESULT + json.dumps({"steps_per_s": rate, "iterations": iterations}), flush=True)
+
+
+def measure(name, argv):
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--child", name],
+                          capture_output=True, text=True, timeout=1800)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT):
+            return json.loads(line[len(RESULT):])
+    raise RuntimeError(f"{name} measurement failed (exit {proc.returncode}):\n"
+                       f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=2)
@@ -89,46 +119,43 @@ def main(argv=None):
     parser.add_argument("--features", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--child", choices=CONTENDERS, default=None, help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    if args.child:
+        run_child(args)
+        sys.stdout.flush()
+        os._exit(0)  # servers are gone: skip TensorFlow's noisy teardown
 
-    import kfit_ps
-
-    with kfit_ps.LocalCluster(num_workers=args.workers, num_ps=args.ps) as cluster:
-        contenders = {"kfit_ps": make_kfit(cluster, args), "tf_keras": make_tf_keras(cluster, args)}
-        for model, data in contenders.values():  # warm-up: tracing, datasets, first steps
-            timed_fit(model, data, 1, 20)
-        rates = {name: [] for name in contenders}
-        for repeat in range(args.repeats):
-            order = list(contenders) if repeat % 2 == 0 else list(reversed(contenders))
-            for name in order:
-                rates[name].append(timed_fit(*contenders[name], args.epochs, args.steps))
-            print(f"repeat {repeat + 1}/{args.repeats}: "
-                  + ", ".join(f"{n} {rates[n][-1]:.1f} steps/s" for n in contenders), flush=True)
-        iterations = {
-            "kfit_ps": int(contenders["kfit_ps"][0].optimizer.iterations.numpy()),
-            "tf_keras": int(contenders["tf_keras"][0].optimizer.iterations.numpy()),
-        }
-        del contenders
+    rates = {name: [] for name in CONTENDERS}
+    iterations = {name: [] for name in CONTENDERS}
+    for repeat in range(args.repeats):
+        order = CONTENDERS if repeat % 2 == 0 else tuple(reversed(CONTENDERS))
+        for name in order:
+            result = measure(name, argv)
+            rates[name].append(result["steps_per_s"])
+            iterations[name].append(result["iterations"])
+        print(f"repeat {repeat + 1}/{args.repeats}: "
+              + ", ".join(f"{n} {rates[n][-1]:.1f} steps/s" for n in CONTENDERS), flush=True)
     ratios = [k / t for k, t in zip(rates["kfit_ps"], rates["tf_keras"])]
+    expected = 20 + args.epochs * args.steps
     result = {
         "config": vars(args),
         "steps_per_s": {n: statistics.median(r) for n, r in rates.items()},
         "ratios": ratios,
         "median_ratio": statistics.median(ratios),
-        "expected_iterations": 20 + args.repeats * args.epochs * args.steps,
+        "expected_iterations": expected,
         "iterations": iterations,
     }
     print(f"kfit_ps {result['steps_per_s']['kfit_ps']:.1f} steps/s, tf_keras "
           f"{result['steps_per_s']['tf_keras']:.1f} steps/s (medians); ratio kfit_ps/tf_keras: "
           f"median {result['median_ratio']:.3f}, per repeat "
           f"{', '.join(f'{r:.3f}' for r in ratios)}")
-    print(f"optimizer.iterations after all fits: {iterations} "
-          f"(expected {result['expected_iterations']} each)")
+    exact = {n: all(i == expected for i in its) for n, its in iterations.items()}
+    print(f"optimizer.iterations == {expected} after every run: {exact}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
-    sys.stdout.flush()
-    os._exit(0)  # servers are gone: skip TensorFlow's noisy teardown
 
 
 if __name__ == "__main__":

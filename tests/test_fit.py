@@ -178,3 +178,26 @@ def test_initial_epoch_and_zero_epochs(strategy):
     assert history.epoch == [1, 2]
     assert int(model.optimizer.iterations.numpy()) == 8
     assert math.isfinite(history.history["loss"][-1])
+
+
+def test_step_error_surfaces_and_stops_progress_polling(strategy):
+    import threading
+
+    model = compiled_model(strategy)
+
+    def failing_dataset(ctx):
+        def check(x, y):
+            tf.debugging.assert_less(tf.reduce_sum(x), -1e9, message="bad batch")
+            return x, y
+
+        return tf.data.Dataset.from_tensors((tf.ones((8, 4)), tf.ones((8, 1)))).repeat().map(
+            check)
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="bad batch"):
+        model.fit(kfit_ps.DatasetCreator(failing_dataset), epochs=1, steps_per_epoch=5,
+                  verbose=1)
+    assert not [t for t in threading.enumerate() if t.name == "kfit_ps-progress"]
+    # The strategy stays usable afterwards.
+    history = model.fit(kfit_ps.DatasetCreator(helpers.regression_dataset_fn()), epochs=1,
+                        steps_per_epoch=4, verbose=0)
+    assert history.history["batches"] == [4.0]

@@ -103,3 +103,15 @@ def test_concurrent_assign_add_on_ps_is_exact(strategy):
     assert float(counter.numpy()) == 2000.0
     assert int(int_counter.numpy()) == 4000
     assert vector.numpy().tolist() == [-2000.0] * 3
+
+
+def test_evaluator_is_dropped_from_the_training_cluster():
+    from kfit_ps.strategy.strategy import _validated_resolver
+
+    spec = {"chief": ["localhost:1"], "worker": ["localhost:2"], "ps": ["localhost:3"]}
+    plain = resolver(spec)
+    assert _validated_resolver(plain) is plain
+    with_evaluator = resolver(dict(spec, evaluator=["localhost:4"]))
+    validated = _validated_resolver(with_evaluator)
+    assert validated.cluster_spec().as_dict() == spec
+    assert (validated.task_type, validated.task_id, validated.rpc_layer) == ("chief", 0, "grpc")

@@ -122,6 +122,7 @@ class LocalCluster:
             self.stop()
             raise
         log.info("LocalCluster started: %r (logs in %s)", self.config, self._log_dir)
+        _warn_once_about_interfaces()
         return self
 
     def stop(self):
@@ -271,6 +272,17 @@ class LocalCluster:
                     f"longer). Its log:\n{self._log_tail(task_type, index)}"
                 )
             time.sleep(0.1)
+
+
+_warned = []
+
+
+def _warn_once_about_interfaces():
+    if not _warned:
+        _warned.append(True)
+        log.warning("kfit_ps: LocalCluster servers listen on all network interfaces and accept "
+                    "unauthenticated connections (TensorFlow servers always do); run on a "
+                    "trusted network. See docs/security.md.")
 
 
 @atexit.register

@@ -53,15 +53,12 @@ def _validated_resolver(cluster_resolver):
             f"{task_type!r}:{cluster_resolver.task_id}. Run servers for worker and ps tasks with "
             "`kfit-ps server`, and the training script with TF_CONFIG task type 'chief'."
         )
-    if constants.EVALUATOR in spec or task_type is None:
-        spec.pop(constants.EVALUATOR, None)
-        spec.setdefault(constants.CHIEF, [])
-        if not spec[constants.CHIEF]:
-            spec.pop(constants.CHIEF)
-        return tf.distribute.cluster_resolver.SimpleClusterResolver(
-            tf.train.ClusterSpec(spec), task_type=constants.CHIEF if constants.CHIEF in spec
-            else None, task_id=0, rpc_layer=cluster_resolver.rpc_layer or "grpc")
-    return cluster_resolver
+    if constants.EVALUATOR not in spec:
+        return cluster_resolver
+    del spec[constants.EVALUATOR]  # The evaluator reads checkpoints; it is not trained on.
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(spec), task_type=task_type, task_id=cluster_resolver.task_id or 0,
+        rpc_layer=cluster_resolver.rpc_layer or "grpc")
 
 
 class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):

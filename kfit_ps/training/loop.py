@@ -22,6 +22,8 @@ Who owns what:
   `callback_policy`. **Progress**: `progress.Progress`.
 """
 
+import itertools
+
 import numpy as np
 import tensorflow as tf
 from keras.callbacks import CallbackList
@@ -160,16 +162,13 @@ class _Evaluation:
             last = self.steps - 1
         else:
             step_fn = fns.test_batch()
-            for last, batch in enumerate(self.input.dataset):
-                if self.steps is not None and last >= self.steps:
-                    last -= 1
-                    break
-                callbacks.on_test_batch_begin(last)
+            for step, batch in enumerate(itertools.islice(self.input.dataset, self.steps)):
+                callbacks.on_test_batch_begin(step)
                 coordinator.schedule(step_fn, args=(batch,))
-                callbacks.on_test_batch_end(last, {})
+                callbacks.on_test_batch_end(step, {})
         coordinator.join()
         logs = _logs(model)
-        if isinstance(self.input, inputs.WorkerInput) and last >= 0:
+        if last >= 0:  # Per-worker input: the last batch end comes after the join.
             callbacks.on_test_batch_end(last, dict(logs))
         callbacks.on_test_end(logs)
         return logs
@@ -252,7 +251,10 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
             start = int(iterations.numpy())
             counter = lambda start=start: int(iterations.numpy()) - start  # noqa: E731
         progress.epoch_begin(epoch, counter)
-        coordinator.join()
+        try:
+            coordinator.join()
+        finally:
+            progress.stop_polling()
         logs = _logs(model)
         callbacks.on_train_batch_end(steps_per_epoch - 1, dict(logs))
         if evaluation is not None and (epoch + 1) % validation_freq == 0:
@@ -325,9 +327,7 @@ def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=Non
             callbacks.on_predict_batch_end(step, {})
     else:
         step_fn = fns.predict_batch()
-        for step, batch in enumerate(pred_input.dataset):
-            if steps is not None and step >= steps:
-                break
+        for step, batch in enumerate(itertools.islice(pred_input.dataset, steps)):
             callbacks.on_predict_batch_begin(step)
             results.append(coordinator.schedule(step_fn, args=(batch,)))
             callbacks.on_predict_batch_end(step, {})

@@ -58,11 +58,15 @@ class Progress:
             if done is not None and 0 < done < self.steps:
                 self._bar.update(done)
 
-    def epoch_end(self, logs):
+    def stop_polling(self):
+        """Stops the polling thread; idempotent (call it in a `finally`)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+    def epoch_end(self, logs):
+        self.stop_polling()
         if self._bar is not None:
             self._bar.update(self.steps, values=list(logs.items()), finalize=True)
             self._bar = None
