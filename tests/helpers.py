@@ -64,8 +64,8 @@ def run_chief(code, timeout=240):
                           capture_output=True, text=True, timeout=timeout, env=chief_env(),
                           cwd=ROOT)
     for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            result = json.loads(line[len(RESULT_PREFIX):])
+        if RESULT_PREFIX in line:  # a progress bar may precede it on the same line
+            result = json.loads(line.split(RESULT_PREFIX, 1)[1])
             result["_returncode"] = proc.returncode
             result["_stdout"] = proc.stdout
             return result

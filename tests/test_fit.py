@@ -180,24 +180,36 @@ def test_initial_epoch_and_zero_epochs(strategy):
     assert math.isfinite(history.history["loss"][-1])
 
 
-def test_step_error_surfaces_and_stops_progress_polling(strategy):
-    import threading
-
-    model = compiled_model(strategy)
-
-    def failing_dataset(ctx):
-        def check(x, y):
-            tf.debugging.assert_less(tf.reduce_sum(x), -1e9, message="bad batch")
-            return x, y
-
-        return tf.data.Dataset.from_tensors((tf.ones((8, 4)), tf.ones((8, 1)))).repeat().map(
-            check)
-
-    with pytest.raises(tf.errors.InvalidArgumentError, match="bad batch"):
-        model.fit(kfit_ps.DatasetCreator(failing_dataset), epochs=1, steps_per_epoch=5,
-                  verbose=1)
-    assert not [t for t in threading.enumerate() if t.name == "kfit_ps-progress"]
-    # The strategy stays usable afterwards.
-    history = model.fit(kfit_ps.DatasetCreator(helpers.regression_dataset_fn()), epochs=1,
-                        steps_per_epoch=4, verbose=0)
-    assert history.history["batches"] == [4.0]
+@pytest.mark.slow
+def test_step_error_surfaces_and_stops_progress_polling():
+    # A fresh chief: after a failed step TensorFlow's coordinator keeps the cancelled
+    # closures (and their functions) for the life of the process.
+    result = helpers.run_chief("""
+        import threading
+        from tests import helpers as h
+        def failing_dataset(ctx):
+            def check(x, y):
+                tf.debugging.assert_less(tf.reduce_sum(x), -1e9, message="bad batch")
+                return x, y
+            return tf.data.Dataset.from_tensors((tf.ones((8, 4)), tf.ones((8, 1)))).repeat(
+                ).map(check)
+        with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+            strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+            with strategy.scope():
+                model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+                model.compile(optimizer="sgd", loss="mse", metrics=[h.counting_metric()])
+            try:
+                model.fit(kfit_ps.DatasetCreator(failing_dataset), epochs=1, steps_per_epoch=5,
+                          verbose=1)
+                error = None
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+            pollers = [t.name for t in threading.enumerate() if t.name == "kfit_ps-progress"]
+            history = model.fit(kfit_ps.DatasetCreator(h.regression_dataset_fn()), epochs=1,
+                                steps_per_epoch=4, verbose=0)
+            report(error=error, pollers=pollers, batches=history.history["batches"])
+        os._exit(0)
+    """)
+    assert result["error"].startswith("InvalidArgumentError") and "bad batch" in result["error"]
+    assert result["pollers"] == []
+    assert result["batches"] == [4.0]  # the strategy stays usable after a failed fit

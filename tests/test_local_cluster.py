@@ -44,8 +44,11 @@ def test_start_kill_restart_stop(children_reaped):
         assert cluster.pid("worker", 0) != old_pid
         assert cluster.address("worker", 0) == address and accepts(address)
         pids = cluster.pids()
+        log_dir = cluster._log_dir
+        assert os.path.isdir(log_dir)
     assert helpers.wait_for_no_servers(pids, timeout=10) == []
     assert cluster.pids() == []
+    assert not os.path.exists(log_dir)  # server logs are removed with the cluster
 
 
 def test_exception_inside_with_stops_servers(children_reaped):
@@ -93,7 +96,7 @@ OWNER = textwrap.dedent("""
     import json, sys, time
     from kfit_ps import LocalCluster
     with LocalCluster(num_workers=2, num_ps=1) as cluster:
-        print(json.dumps(cluster.pids()), flush=True)
+        print(json.dumps([cluster.pids(), cluster._log_dir]), flush=True)
         time.sleep(600)
 """)
 
@@ -105,15 +108,16 @@ def _start_owner():
     assert line, "owner process printed no pids"
     import json
 
-    pids = json.loads(line)
+    pids, log_dir = json.loads(line)
     assert len(pids) == 3 and all(psutil.pid_exists(p) for p in pids)
-    return owner, pids
+    assert os.path.isdir(log_dir)
+    return owner, pids, log_dir
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "SIGINT-group"])
 def test_owner_death_leaves_no_servers(how):
-    owner, pids = _start_owner()
+    owner, pids, log_dir = _start_owner()
     if how == "SIGKILL":
         owner.send_signal(signal.SIGKILL)
     elif how == "SIGTERM":
@@ -122,3 +126,4 @@ def test_owner_death_leaves_no_servers(how):
         os.killpg(owner.pid, signal.SIGINT)
     owner.wait(timeout=30)
     assert helpers.wait_for_no_servers(pids, timeout=10) == []
+    assert not os.path.exists(log_dir)  # orphaned servers removed their logs too

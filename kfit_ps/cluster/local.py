@@ -24,6 +24,7 @@ import atexit
 import gc
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -146,6 +147,9 @@ class LocalCluster:
         for f in self._logs.values():
             f.close()
         self._logs.clear()
+        if self._log_dir is not None:
+            shutil.rmtree(self._log_dir, ignore_errors=True)
+            self._log_dir = None
         _LIVE_CLUSTERS.discard(self)
 
     def __enter__(self):
@@ -224,8 +228,8 @@ class LocalCluster:
 
     def _spawn(self, task_type, index):
         key = (task_type, index)
+        path = self._log_path(task_type, index)
         if key not in self._logs:
-            path = os.path.join(self._log_dir, f"{task_type}-{index}.log")
             self._logs[key] = open(path, "ab")
         env = dict(os.environ)
         env.pop(constants.TF_CONFIG, None)
@@ -235,16 +239,19 @@ class LocalCluster:
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
         env.update(self._env)
         cmd = [sys.executable, "-m", "kfit_ps.cluster._server_main",
-               self.config.to_tf_config(task_type, index), str(os.getpid()), str(self._threads)]
+               self.config.to_tf_config(task_type, index), str(os.getpid()), str(self._threads),
+               path]
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._logs[key],
                                 stderr=subprocess.STDOUT, env=env)
         with self._lock:
             self._procs[key] = proc
 
+    def _log_path(self, task_type, index):
+        return os.path.join(self._log_dir, f"{task_type}-{index}.log")
+
     def _log_tail(self, task_type, index, n=2000):
-        path = os.path.join(self._log_dir, f"{task_type}-{index}.log")
         try:
-            with open(path, "rb") as f:
+            with open(self._log_path(task_type, index), "rb") as f:
                 return f.read()[-n:].decode(errors="replace")
         except OSError:
             return "(no log)"

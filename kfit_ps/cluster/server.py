@@ -26,21 +26,32 @@ SECURITY_WARNING = (
 )
 
 
-def _die_with_parent(parent_pid, poll_interval):
+def _die_with_parent(parent_pid, poll_interval, log_file=None):
     """Exits this process within `poll_interval` seconds of `parent_pid` dying.
 
     Polling for re-parenting works whatever killed the parent (SIGKILL too)
     and whichever thread started us; the kernel's parent-death signal would
     fire when the *thread* that spawned us exits, which breaks `restart()`
-    from a helper thread.
+    from a helper thread. An orphaned server also removes its `log_file`, and
+    the launcher's log folder once it is empty, since nobody else will.
     """
-    if os.getppid() != parent_pid:  # Parent died before we got here.
+
+    def exit_orphaned():
+        if log_file:
+            for remove, path in ((os.remove, log_file), (os.rmdir, os.path.dirname(log_file))):
+                try:
+                    remove(path)
+                except OSError:
+                    pass  # another server removes the folder, or it is not empty yet
         os._exit(0)
+
+    if os.getppid() != parent_pid:  # Parent died before we got here.
+        exit_orphaned()
 
     def watch():
         while True:
             if os.getppid() != parent_pid:
-                os._exit(0)
+                exit_orphaned()
             time.sleep(poll_interval)
 
     threading.Thread(target=watch, name="kfit_ps-parent-watch", daemon=True).start()
@@ -58,7 +69,7 @@ def server_config(task_type, num_workers, inter_op_threads=None):
     return config
 
 
-def run_server(cluster_config, inter_op_threads=None, parent_pid=None, ready_file=None,
+def run_server(cluster_config, inter_op_threads=None, parent_pid=None, log_file=None,
                warn=True):
     """Starts the server for `cluster_config`'s task and blocks forever.
 
@@ -67,7 +78,7 @@ def run_server(cluster_config, inter_op_threads=None, parent_pid=None, ready_fil
         inter_op_threads: inter-op threads of a worker; None picks a value that
             cannot deadlock (see `constants.worker_inter_op_threads`).
         parent_pid: exit when this process dies. Defaults to None (no watch).
-        ready_file: path written once the server has started. Defaults to None.
+        log_file: this server's log, removed if `parent_pid` dies. Defaults to None.
         warn: print the all-interfaces security warning. Defaults to True.
     """
     task_type, index = cluster_config.task_type, cluster_config.task_index
@@ -78,7 +89,7 @@ def run_server(cluster_config, inter_op_threads=None, parent_pid=None, ready_fil
             "evaluator runs `kfit-ps evaluator`."
         )
     if parent_pid is not None:
-        _die_with_parent(parent_pid, constants.parent_poll_interval())
+        _die_with_parent(parent_pid, constants.parent_poll_interval(), log_file)
     # SIGTERM / SIGINT end the process at once. A Python handler would never run: the main
     # thread blocks in `server.join()` (C++), so the launcher would wait for its SIGKILL.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -99,7 +110,4 @@ def run_server(cluster_config, inter_op_threads=None, parent_pid=None, ready_fil
         start=True,
     )
     log.info("kfit_ps %s:%d serving at %s", task_type, index, address)
-    if ready_file:
-        with open(ready_file, "w") as f:
-            f.write(server.target)
     server.join()

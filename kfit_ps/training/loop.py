@@ -243,18 +243,16 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
     for epoch in range(initial_epoch, epochs):
         model.reset_metrics()
         callbacks.on_epoch_begin(epoch)
+        counter = None
+        if progress.verbose == 1 and iterations is not None:
+            start = int(iterations.numpy())  # Before dispatch: no step of this epoch missed.
+            counter = lambda start=start: int(iterations.numpy()) - start  # noqa: E731
         _schedule_steps(coordinator, steps_per_epoch, model.steps_per_execution, fns.train,
                         (iterator,), callbacks.on_train_batch_begin,
                         callbacks.on_train_batch_end)
-        counter = None
-        if progress.verbose == 1 and iterations is not None:
-            start = int(iterations.numpy())
-            counter = lambda start=start: int(iterations.numpy()) - start  # noqa: E731
         progress.epoch_begin(epoch, counter)
-        try:
+        with progress.joining():
             coordinator.join()
-        finally:
-            progress.stop_polling()
         logs = _logs(model)
         callbacks.on_train_batch_end(steps_per_epoch - 1, dict(logs))
         if evaluation is not None and (epoch + 1) % validation_freq == 0:

@@ -7,6 +7,7 @@ kfit_ps updates atomically) every `KFIT_PS_PROGRESS_INTERVAL` seconds. Each
 poll is one small variable read; workers never wait for it.
 """
 
+import contextlib
 import threading
 
 from keras.utils import Progbar
@@ -64,6 +65,20 @@ class Progress:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+    @contextlib.contextmanager
+    def joining(self):
+        """Wraps the epoch's `join()`: stops polling, and ends a half-drawn bar on error."""
+        try:
+            yield
+        except BaseException:
+            self.stop_polling()
+            if self._bar is not None and self.verbose == 1:
+                print(flush=True)  # the traceback starts on its own line
+            self._bar = None
+            raise
+        finally:
+            self.stop_polling()
 
     def epoch_end(self, logs):
         self.stop_polling()
