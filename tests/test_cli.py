@@ -97,3 +97,15 @@ def test_local_prints_tf_config_and_stops_cleanly():
     proc.communicate(timeout=30)
     assert proc.returncode == 0
     assert helpers.wait_for_no_servers([c.pid for c in children], timeout=10) == []
+
+
+@pytest.mark.parametrize("args, flag", [
+    (("quickstart", "--workers", "0"), "--workers"),
+    (("quickstart", "--steps-per-epoch", "-5"), "--steps-per-epoch"),
+    (("local", "--ps", "0"), "--ps"),
+])
+def test_bad_flags_are_named(args, flag):
+    proc = kfit_ps_cli(*args)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert f"{flag}: must be an integer >= 1. Received: {flag}" in err

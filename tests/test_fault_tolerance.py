@@ -60,3 +60,54 @@ def test_worker_killed_and_restarted_mid_fit():
     assert result["batches"][1] in (150.0, 151.0)
     assert 450 <= result["iterations"] <= 451
     assert helpers.wait_for_no_servers(result["pids"], timeout=10) == []
+
+
+FIT_FOREVER = """
+import json, sys
+import kfit_ps, keras
+from tests import helpers as h
+with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+    print(json.dumps(cluster.pids()), flush=True)
+    strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+
+    class Announce(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                print("TRAINING", flush=True)
+
+    model.fit(kfit_ps.DatasetCreator(h.regression_dataset_fn()), epochs=1000,
+              steps_per_epoch=500, verbose=1, callbacks=[Announce()])
+"""
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+def test_ctrl_c_during_fit_exits_promptly_and_stops_servers():
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", FIT_FOREVER], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=helpers.chief_env(),
+                            cwd=helpers.ROOT, start_new_session=True)
+    try:
+        pids = json.loads(proc.stdout.readline())
+        assert len(pids) == 3
+        while "TRAINING" not in proc.stdout.readline():
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.5)
+        interrupted = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert time.monotonic() - interrupted < 30
+    assert "KeyboardInterrupt" in err
+    assert helpers.wait_for_no_servers(pids, timeout=10) == []

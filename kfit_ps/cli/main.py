@@ -27,14 +27,19 @@ def _flag_error(parser, flag, value, fix):
     parser.error(f"{flag}: {fix} Received: {flag} {value!r}.")
 
 
+def _require_positive(parser, *flags):
+    for flag, value in flags:
+        if value < 1:
+            _flag_error(parser, flag, value, "must be an integer >= 1.")
+
+
 def _cmd_quickstart(args, parser):
     from kfit_ps.jobs.quickstart import QuickstartConfig, run
 
-    try:
-        config = QuickstartConfig(num_workers=args.workers, num_ps=args.ps, epochs=args.epochs,
-                                  steps_per_epoch=args.steps_per_epoch, verbose=args.verbose)
-    except ValueError as e:
-        parser.error(str(e))
+    _require_positive(parser, ("--workers", args.workers), ("--ps", args.ps),
+                      ("--epochs", args.epochs), ("--steps-per-epoch", args.steps_per_epoch))
+    config = QuickstartConfig(num_workers=args.workers, num_ps=args.ps, epochs=args.epochs,
+                              steps_per_epoch=args.steps_per_epoch, verbose=args.verbose)
     print(f"kfit-ps quickstart: {config}", flush=True)
     results = run(config)
     return 0 if results["auc"] > 0.5 else 1
@@ -83,10 +88,8 @@ def _cmd_server(args, parser):
 def _cmd_local(args, parser):
     from kfit_ps.cluster.local import LocalCluster
 
-    try:
-        cluster = LocalCluster(num_workers=args.workers, num_ps=args.ps)
-    except ValueError as e:
-        parser.error(str(e))
+    _require_positive(parser, ("--workers", args.workers), ("--ps", args.ps))
+    cluster = LocalCluster(num_workers=args.workers, num_ps=args.ps)
     with cluster:
         print(json.dumps({"TF_CONFIG": cluster.config.to_tf_config()}), flush=True)
         print("kfit-ps local: servers running; press Ctrl-C to stop them.", file=sys.stderr,

@@ -88,13 +88,19 @@ def _unsupported(arg, value):
     )
 
 
+_WHERE_INSTEAD = {
+    "y": "Put the targets in the dataset's elements as (x, y[, sample_weight]).",
+    "sample_weight": "Put the weights in the dataset's elements as (x, y, sample_weight).",
+    "batch_size": "Batch inside the dataset (e.g. `dataset.batch(32)`).",
+}
+
+
 def _check_no_extra(arg, kind, **extras):
     for name, value in extras.items():
         if value is not None:
             raise ValueError(
-                f"`{name}` must be None when `{arg}` is a {kind} (the dataset yields it). "
-                f"Received: {name} of type {type(value).__name__}. Put it in the dataset's "
-                "elements as (x, y[, sample_weight])."
+                f"`{name}` must be None when `{arg}` is a {kind}. Received: {name}={value!r:.80} "
+                f"of type {type(value).__name__}. {_WHERE_INSTEAD[name]}"
             )
 
 
