@@ -111,3 +111,40 @@ def test_ctrl_c_during_fit_exits_promptly_and_stops_servers():
     assert time.monotonic() - interrupted < 30
     assert "KeyboardInterrupt" in err
     assert helpers.wait_for_no_servers(pids, timeout=10) == []
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+def test_worker_lost_for_good_the_others_finish():
+    result = helpers.run_chief("""
+        import threading
+        from tests import helpers as h
+        with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+            strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+            with strategy.scope():
+                model = keras.Sequential([keras.Input((32,)),
+                                          keras.layers.Dense(64, activation="relu"),
+                                          keras.layers.Dense(1)])
+                model.compile(optimizer="adam", loss="mse", metrics=[h.counting_metric()])
+
+            class Preempt(keras.callbacks.Callback):
+                def on_epoch_begin(self, epoch, logs=None):
+                    if epoch == 1:
+                        threading.Timer(0.2, lambda: cluster.kill("worker", 0)).start()
+
+            data = kfit_ps.DatasetCreator(h.regression_dataset_fn(features=32))
+            history = model.fit(data, epochs=3, steps_per_epoch=150, verbose=0,
+                                callbacks=[Preempt()])
+            logs = model.evaluate(data, steps=10, verbose=0, return_dict=True)
+            report(epochs=history.epoch, batches=history.history["batches"],
+                   iterations=int(model.optimizer.iterations.numpy()),
+                   eval_batches=logs["batches"], alive=cluster.pids())
+        sys.stdout.flush()
+        os._exit(0)
+    """, timeout=300)
+    assert result["epochs"] == [0, 1, 2]
+    assert len(result["alive"]) == 2  # worker 1 and the ps
+    assert result["batches"][0] == 150.0 and result["batches"][2] == 150.0
+    assert result["batches"][1] in (150.0, 151.0)  # at-least-once for the interrupted step
+    assert 450 <= result["iterations"] <= 451
+    assert result["eval_batches"] == 10.0
