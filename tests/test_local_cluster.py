@@ -127,3 +127,32 @@ def test_owner_death_leaves_no_servers(how):
     owner.wait(timeout=30)
     assert helpers.wait_for_no_servers(pids, timeout=10) == []
     assert not os.path.exists(log_dir)  # orphaned servers removed their logs too
+
+
+SCRIPT_KEEPS_MODEL = textwrap.dedent("""
+    import gc
+    import numpy as np
+    import kfit_ps, keras
+    x = np.random.rand(64, 4).astype("float32")
+    with kfit_ps.LocalCluster(num_workers=1, num_ps=1) as cluster:
+        strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            model.compile(optimizer="sgd", loss="mse")
+        model.fit(x, x.sum(axis=1, keepdims=True), epochs=2, verbose=0)
+        model.evaluate(x, x.sum(axis=1, keepdims=True), verbose=0)
+        print("iterations", int(model.optimizer.iterations.numpy()))
+    del model  # released after its servers stopped
+    gc.collect()
+    print("model released")
+""")
+
+
+@pytest.mark.slow
+def test_model_released_after_its_cluster_stopped_logs_no_errors():
+    proc = subprocess.run([sys.executable, "-c", SCRIPT_KEEPS_MODEL], capture_output=True,
+                          text=True, timeout=180, env=helpers.chief_env(), cwd=helpers.ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "iterations 4" in proc.stdout and "model released" in proc.stdout
+    assert "Failed to remove function" not in proc.stderr
+    assert "failed to connect" not in proc.stderr

@@ -18,7 +18,7 @@ ALLOWED = {
     "cli": {"cluster", "training", "strategy", "jobs", "constants", "_tf_compat"},
     "jobs": {"cluster", "training", "strategy", "constants"},
     "training": {"strategy", "_tf_compat", "constants", "training"},
-    "cluster": {"constants", "cluster"},
+    "cluster": {"constants", "cluster", "_tf_compat"},
     "strategy": {"_tf_compat", "constants", "strategy"},
     "_tf_compat": {"_tf_compat"},
     "constants": set(),

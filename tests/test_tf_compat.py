@@ -78,3 +78,8 @@ def test_symbolic_build_from_specs_and_metric_order():
     assert _tf_compat.flatten_metrics_in_order(model, {"mae": 2.0, "loss": 1.0}) == [1.0, 2.0]
     assert _tf_compat.initial_epoch_override(model) is None
     assert _tf_compat.model_strategy(model) is None
+
+
+def test_forget_servers_ignores_clusters_this_process_is_not_connected_to():
+    # This test process may be connected to the session cluster; these addresses are not in it.
+    assert _tf_compat.forget_servers(["localhost:1", "localhost:2"]) is False

@@ -9,6 +9,7 @@ one place, with a clear message.
 """
 
 from kfit_ps._tf_compat.versions import SUPPORTED, check_versions
+from kfit_ps._tf_compat.eager_context import forget_servers
 from kfit_ps._tf_compat.keras_variables import (
     install_atomic_updates,
     is_kfit_variable,
@@ -27,6 +28,7 @@ __all__ = [
     "SUPPORTED",
     "check_versions",
     "flatten_metrics_in_order",
+    "forget_servers",
     "initial_epoch_override",
     "install_atomic_updates",
     "install_dispatch",

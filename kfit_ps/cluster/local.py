@@ -34,7 +34,7 @@ import threading
 import time
 import weakref
 
-from kfit_ps import constants
+from kfit_ps import _tf_compat, constants
 from kfit_ps.cluster.spec import ClusterConfig
 
 log = logging.getLogger("kfit_ps.cluster")
@@ -128,12 +128,16 @@ class LocalCluster:
 
     def stop(self):
         """Terminates every server process and waits for them; idempotent."""
-        # Functions and resources this process registered on the servers are released
-        # while the servers can still answer (TensorFlow logs an error per function otherwise).
-        gc.collect()
         with self._lock:
             procs = list(self._procs.values())
             self._procs.clear()
+        if procs and self.config is not None:
+            # Release what this process registered on the servers while they can still answer,
+            # then stop talking to them; otherwise TensorFlow logs gRPC errors for each
+            # function at interpreter exit.
+            gc.collect()
+            _tf_compat.forget_servers(
+                [self.config.address(t, i) for t, i in self._server_tasks()])
         for p in procs:
             if p.poll() is None:
                 p.terminate()
