@@ -8,7 +8,7 @@ which follows TensorFlow's own convention.
 | --- | --- | --- |
 | `TF_CONFIG` | unset | cluster spec + this task, TensorFlow's JSON format |
 | `KERAS_BACKEND` | `tensorflow` | set by `import kfit_ps` when unset; another backend is an ImportError |
-| `KFIT_PS_STARTUP_TIMEOUT` | `120` | seconds a `LocalCluster` waits for its servers to accept connections |
+| `KFIT_PS_STARTUP_TIMEOUT` | `120` | seconds a `LocalCluster` waits for its servers to start serving |
 | `KFIT_PS_PARENT_POLL` | `0.5` | seconds between a server's checks that its launcher is alive |
 | `KFIT_PS_WORKER_INTER_OP_THREADS` | `0` | inter-op threads of a worker server; 0 = max(4, workers + 1, cores) |
 | `KFIT_PS_PROGRESS_INTERVAL` | `0.25` | seconds between progress-bar updates during `fit` (no synchronisation) |

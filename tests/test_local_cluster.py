@@ -156,3 +156,29 @@ def test_model_released_after_its_cluster_stopped_logs_no_errors():
     assert "iterations 4" in proc.stdout and "model released" in proc.stdout
     assert "Failed to remove function" not in proc.stderr
     assert "failed to connect" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_port_taken_before_the_server_binds_is_retried(monkeypatch, children_reaped):
+    """Another process grabs a picked port (and even answers on it): start() picks new ports."""
+    import kfit_ps.cluster.local as local
+
+    squatter = socket.socket()
+    squatter.bind(("0.0.0.0", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    real_free_port = local._free_port
+    calls = []
+
+    def free_port(host):
+        calls.append(host)
+        return taken if len(calls) == 2 else real_free_port(host)  # call 2: worker 0
+
+    monkeypatch.setattr(local, "_free_port", free_port)
+    try:
+        with LocalCluster(num_workers=1, num_ps=1) as cluster:
+            assert cluster.address("worker", 0) != f"localhost:{taken}"
+            assert len(cluster.pids()) == 2 and accepts(cluster.address("worker", 0))
+            assert len(calls) == 6  # 3 addresses per attempt, 2 attempts
+    finally:
+        squatter.close()

@@ -2,7 +2,10 @@
 
 Each worker and ps is its own OS process running a gRPC
 `tf.distribute.Server` on a free localhost port; this process plays the
-chief (coordinator). The cluster owns its processes:
+chief (coordinator). `start()` waits for each server's own "ready" line
+(printed once it has bound its port; a probe of the port could be answered by
+another process), and retries with new ports if a port was taken after we
+picked it. The cluster owns its processes:
 
 - `stop()` (and leaving the `with` block, normally or by exception or Ctrl-C)
   terminates them, then kills what is left;
@@ -35,6 +38,7 @@ import time
 import weakref
 
 from kfit_ps import _tf_compat, constants
+from kfit_ps.cluster import server
 from kfit_ps.cluster.spec import ClusterConfig
 
 log = logging.getLogger("kfit_ps.cluster")
@@ -42,20 +46,15 @@ log = logging.getLogger("kfit_ps.cluster")
 _LIVE_CLUSTERS = weakref.WeakSet()
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _STOP_GRACE_SECONDS = 5.0
+_START_ATTEMPTS = 3
+# What a TensorFlow server logs when its port is taken.
+_BIND_FAILURES = ("Failed to add port", "Could not start gRPC server", "Address already in use")
 
 
 def _free_port(host):
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host if host != "localhost" else "127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _accepts(host, port):
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
 
 
 def _check_count(name, value, minimum):
@@ -75,8 +74,8 @@ class LocalCluster:
             Note that TensorFlow servers listen on all interfaces regardless.
         worker_threads: inter-op threads per worker; None picks a value that
             cannot deadlock on small machines. Defaults to None.
-        startup_timeout: seconds to wait for all servers to accept
-            connections. Defaults to `KFIT_PS_STARTUP_TIMEOUT` or 120.
+        startup_timeout: seconds to wait for all servers to start serving.
+            Defaults to `KFIT_PS_STARTUP_TIMEOUT` or 120.
         env: extra environment variables for the server processes.
     """
 
@@ -94,6 +93,7 @@ class LocalCluster:
         self._env = dict(env or {})
         self._procs = {}
         self._logs = {}
+        self._log_start = {}
         self._log_dir = None
         self._lock = threading.Lock()
         self.config = None
@@ -101,27 +101,28 @@ class LocalCluster:
     # Lifecycle -------------------------------------------------------------------------------
 
     def start(self):
-        """Starts every server and returns once all accept connections."""
+        """Starts every server and returns once each has announced it is serving."""
         if self.config is not None:
             raise RuntimeError("LocalCluster.start() was already called; create a new cluster.")
-        cluster = {
-            constants.CHIEF: [f"{self.host}:{_free_port(self.host)}"],
-            constants.WORKER: [f"{self.host}:{_free_port(self.host)}"
-                               for _ in range(self.num_workers)],
-            constants.PS: [f"{self.host}:{_free_port(self.host)}" for _ in range(self.num_ps)],
-        }
-        self.config = ClusterConfig(cluster=cluster, task_type=constants.CHIEF, task_index=0,
-                                    source="LocalCluster")
-        self._log_dir = tempfile.mkdtemp(prefix="kfit_ps-cluster-")
-        _LIVE_CLUSTERS.add(self)
-        try:
-            for task_type in constants.SERVER_TASK_TYPES:
-                for index in range(self.config.num_tasks(task_type)):
+        for attempt in range(1, _START_ATTEMPTS + 1):
+            self.config = ClusterConfig(cluster=self._pick_addresses(),
+                                        task_type=constants.CHIEF, task_index=0,
+                                        source="LocalCluster")
+            self._log_dir = tempfile.mkdtemp(prefix="kfit_ps-cluster-")
+            _LIVE_CLUSTERS.add(self)
+            try:
+                for task_type, index in self._server_tasks():
                     self._spawn(task_type, index)
-            self._wait_ready(self._server_tasks())
-        except BaseException:
-            self.stop()
-            raise
+                self._wait_ready(self._server_tasks())
+                break
+            except _PortTaken as e:
+                self.stop()
+                if attempt == _START_ATTEMPTS:
+                    raise RuntimeError(f"{e} (after {attempt} attempts with new ports)") from None
+                log.info("LocalCluster: %s; retrying with new ports", e)
+            except BaseException:
+                self.stop()
+                raise
         log.info("LocalCluster started: %r (logs in %s)", self.config, self._log_dir)
         _warn_once_about_interfaces()
         return self
@@ -173,7 +174,7 @@ class LocalCluster:
         proc.wait()
 
     def restart(self, task_type, index):
-        """Starts a killed server again at the same address; waits until it accepts."""
+        """Starts a killed server again at the same address; waits until it serves."""
         proc = self._proc(task_type, index)
         if proc.poll() is None:
             raise RuntimeError(
@@ -215,6 +216,13 @@ class LocalCluster:
             raise RuntimeError(f"LocalCluster.{what} needs a started cluster: use "
                                "`with LocalCluster(...) as cluster:` or call start().")
 
+    def _pick_addresses(self):
+        def addresses(n):
+            return [f"{self.host}:{_free_port(self.host)}" for _ in range(n)]
+
+        return {constants.CHIEF: addresses(1), constants.WORKER: addresses(self.num_workers),
+                constants.PS: addresses(self.num_ps)}
+
     def _server_tasks(self):
         return [(t, i) for t in constants.SERVER_TASK_TYPES
                 for i in range(self.config.num_tasks(t))]
@@ -245,6 +253,8 @@ class LocalCluster:
         cmd = [sys.executable, "-m", "kfit_ps.cluster._server_main",
                self.config.to_tf_config(task_type, index), str(os.getpid()), str(self._threads),
                path]
+        self._logs[key].flush()
+        self._log_start[key] = os.path.getsize(path)  # this incarnation's log starts here
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._logs[key],
                                 stderr=subprocess.STDOUT, env=env)
         with self._lock:
@@ -252,6 +262,14 @@ class LocalCluster:
 
     def _log_path(self, task_type, index):
         return os.path.join(self._log_dir, f"{task_type}-{index}.log")
+
+    def _announced_ready(self, task_type, index):
+        try:
+            with open(self._log_path(task_type, index), "rb") as f:
+                f.seek(self._log_start[(task_type, index)])
+                return server.READY_LINE.encode() in f.read()
+        except OSError:
+            return False
 
     def _log_tail(self, task_type, index, n=2000):
         try:
@@ -267,22 +285,30 @@ class LocalCluster:
             task_type, index = pending[0]
             proc = self._proc(task_type, index)
             if proc.poll() is not None:
-                raise RuntimeError(
-                    f"LocalCluster: server {task_type}:{index} exited with code "
-                    f"{proc.returncode} during start-up. Its log:\n"
-                    f"{self._log_tail(task_type, index)}"
-                )
-            host, _, port = self.config.address(task_type, index).rpartition(":")
-            if _accepts(host, int(port)):
+                self._raise_exited(task_type, index, proc.returncode)
+            if self._announced_ready(task_type, index):  # it bound its port
                 pending.pop(0)
                 continue
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"LocalCluster: server {task_type}:{index} did not accept connections within "
+                    f"LocalCluster: server {task_type}:{index} did not start serving within "
                     f"{self._startup_timeout:.0f}s (set {constants.STARTUP_TIMEOUT_ENV} to wait "
                     f"longer). Its log:\n{self._log_tail(task_type, index)}"
                 )
             time.sleep(0.1)
+
+    def _raise_exited(self, task_type, index, returncode):
+        tail = self._log_tail(task_type, index)
+        message = (f"LocalCluster: server {task_type}:{index} "
+                   f"({self.config.address(task_type, index)}) exited with code {returncode} "
+                   f"during start-up. Its log:\n{tail}")
+        if any(marker in tail for marker in _BIND_FAILURES):
+            raise _PortTaken(message)
+        raise RuntimeError(message)
+
+
+class _PortTaken(RuntimeError):
+    """A server could not bind its port: another process took it after we picked it."""
 
 
 _warned = []

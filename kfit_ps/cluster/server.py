@@ -19,6 +19,8 @@ from kfit_ps import constants
 
 log = logging.getLogger("kfit_ps.server")
 
+READY_LINE = "kfit_ps server ready:"
+
 SECURITY_WARNING = (
     "kfit_ps: this TensorFlow server ({address}) listens on ALL network interfaces and accepts "
     "unauthenticated connections; anyone who can reach the port can run code in this process. "
@@ -109,5 +111,6 @@ def run_server(cluster_config, inter_op_threads=None, parent_pid=None, log_file=
                              inter_op_threads),
         start=True,
     )
-    log.info("kfit_ps %s:%d serving at %s", task_type, index, address)
+    # Printed only once the server has bound its port: launchers wait for this line.
+    print(f"{READY_LINE} {task_type}:{index} at {address}", flush=True)
     server.join()
