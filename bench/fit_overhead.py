@@ -84,7 +84,7 @@ def timed_fit(model, data, epochs, steps):
 
 
 def run_child(args):
-    """One measurement in this process: returns steps/s and the final iterations."""
+    """One measurement in this process; prints its steps/s and final iterations."""
     import kfit_ps
 
     make = {"kfit_ps": make_kfit, "tf_keras": make_tf_keras}[args.child]

@@ -69,16 +69,16 @@ class Progress:
     @contextlib.contextmanager
     def joining(self):
         """Wraps the epoch's `join()`: stops polling, and ends a half-drawn bar on error."""
+        failed = True
         try:
             yield
-        except BaseException:
-            self.stop_polling()
-            if self._bar is not None and self.verbose == 1:
-                print(flush=True)  # the traceback starts on its own line
-            self._bar = None
-            raise
+            failed = False
         finally:
-            self.stop_polling()
+            self.stop_polling()  # first: no poll may draw after the line is ended
+            if failed:
+                if self._bar is not None and self.verbose == 1:
+                    print(flush=True)  # the traceback starts on its own line
+                self._bar = None
 
     def epoch_end(self, logs):
         self.stop_polling()
