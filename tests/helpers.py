@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -36,6 +37,27 @@ def wait_for_no_servers(pids=None, exclude=(), timeout=10.0):
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.2)
+
+
+def free_port():
+    """A port free on this machine right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_listening(address, proc, timeout=90):
+    """Waits until `address` accepts connections; fails if `proc` exits first."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return
+        except OSError:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.2)
+    raise AssertionError(f"{address} never listened")
 
 
 def chief_env():

@@ -1,22 +1,13 @@
 """The `kfit-ps` command line: server from TF_CONFIG or flags, local cluster."""
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
 from tests import helpers
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kfit_ps_cli(*args, env_extra=None, **kwargs):
@@ -53,21 +44,12 @@ def test_server_without_tf_config_or_flags():
 
 @pytest.mark.slow
 def test_server_serves_from_tf_config_and_warns():
-    cluster = {"worker": [f"localhost:{free_port()}"], "ps": [f"localhost:{free_port()}"]}
+    cluster = {"worker": [f"localhost:{helpers.free_port()}"],
+               "ps": [f"localhost:{helpers.free_port()}"]}
     tf_config = json.dumps({"cluster": cluster, "task": {"type": "ps", "index": 0}})
     proc = kfit_ps_cli("server", env_extra={"TF_CONFIG": tf_config})
     try:
-        port = int(cluster["ps"][0].rsplit(":", 1)[1])
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert proc.poll() is None, proc.communicate()[1]
-                time.sleep(0.2)
-        else:
-            pytest.fail("kfit-ps server did not listen")
+        helpers.wait_listening(cluster["ps"][0], proc, timeout=60)
     finally:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)

@@ -3,40 +3,19 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
 from tests import helpers
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_listening(address, proc, timeout=90):
-    host, _, port = address.rpartition(":")
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection((host, int(port)), timeout=1).close()
-            return
-        except OSError:
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            time.sleep(0.2)
-    raise AssertionError(f"{address} never listened")
-
-
 @pytest.mark.slow
 def test_fit_on_kfit_ps_servers_configured_by_tf_config():
-    cluster = {"chief": [f"localhost:{free_port()}"],
-               "worker": [f"localhost:{free_port()}", f"localhost:{free_port()}"],
-               "ps": [f"localhost:{free_port()}"]}
+    cluster = {"chief": [f"localhost:{helpers.free_port()}"],
+               "worker": [f"localhost:{helpers.free_port()}" for _ in range(2)],
+               "ps": [f"localhost:{helpers.free_port()}"]}
     servers = []
     try:
         for task_type in ("worker", "ps"):
@@ -48,7 +27,7 @@ def test_fit_on_kfit_ps_servers_configured_by_tf_config():
                                         env=env, cwd=helpers.ROOT, text=True,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
                 servers.append(proc)
-                wait_listening(address, proc)
+                helpers.wait_listening(address, proc)
         os.environ["KFIT_PS_TEST_TF_CONFIG"] = json.dumps(
             {"cluster": cluster, "task": {"type": "chief", "index": 0}})
         result = helpers.run_chief("""
@@ -84,13 +63,8 @@ def test_fit_on_in_process_servers():
     result = helpers.run_chief("""
         from kfit_ps.cluster.server import server_config
         from tests import helpers as h
-        import socket
-        def port():
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                return s.getsockname()[1]
-        spec = {"worker": [f"localhost:{port()}" for _ in range(2)],
-                "ps": [f"localhost:{port()}"], "chief": [f"localhost:{port()}"]}
+        spec = {"worker": [f"localhost:{h.free_port()}" for _ in range(2)],
+                "ps": [f"localhost:{h.free_port()}"], "chief": [f"localhost:{h.free_port()}"]}
         cluster_spec = tf.train.ClusterSpec(spec)
         servers = [tf.distribute.Server(cluster_spec, job_name=t, task_index=i, protocol="grpc",
                                         config=server_config(t, 2), start=True)

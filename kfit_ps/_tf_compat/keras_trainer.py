@@ -10,7 +10,6 @@ trainer attributes the loop needs.
 import functools
 import threading
 
-import keras
 from keras.src.backend.tensorflow import trainer as _tf_trainer
 
 from kfit_ps._tf_compat.versions import check_versions

@@ -135,7 +135,7 @@ class LocalCluster:
         if procs and self.config is not None:
             # Release what this process registered on the servers while they can still answer,
             # then stop talking to them; otherwise TensorFlow logs gRPC errors for each
-            # function at interpreter exit.
+            # function released later (see _tf_compat.forget_servers).
             gc.collect()
             _tf_compat.forget_servers(
                 [self.config.address(t, i) for t, i in self._server_tasks()])
