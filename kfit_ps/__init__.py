@@ -29,7 +29,8 @@ from kfit_ps import training as _training  # noqa: E402
 from kfit_ps.cluster.local import LocalCluster  # noqa: E402
 from kfit_ps.cluster.spec import ClusterConfig  # noqa: E402
 from kfit_ps.strategy import ParameterServerStrategy  # noqa: E402
-from kfit_ps.training import DatasetCreator  # noqa: E402
+from kfit_ps.training import DatasetCreator, SidecarEvaluator  # noqa: E402
+from kfit_ps import callbacks  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -40,5 +41,7 @@ __all__ = [
     "DatasetCreator",
     "LocalCluster",
     "ParameterServerStrategy",
+    "SidecarEvaluator",
     "__version__",
+    "callbacks",
 ]

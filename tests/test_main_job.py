@@ -53,6 +53,20 @@ def test_examples_quickstart_learns():
     assert helpers.wait_for_no_servers(pids, timeout=10) == []
 
 
+@pytest.mark.slow
+def test_examples_train_with_evaluator(tmp_path):
+    proc, out, pids = run_and_watch([sys.executable, "examples/train_with_evaluator.py",
+                                     str(tmp_path)])
+    assert proc.returncode == 0, out[-3000:]
+    steps = [int(s) for s in re.findall(r"evaluator: ckpt-\S+ at step (\d+)", out)]
+    assert steps == [50, 100, 150, 200], out[-3000:]  # each checkpoint once, in order
+    assert "4 checkpoints evaluated" in out
+    assert (tmp_path / "best.keras").exists()
+    assert list((tmp_path / "validation").glob("events.*"))
+    assert len(pids) == 3
+    assert helpers.wait_for_no_servers(pids, timeout=10) == []
+
+
 def test_readme_quick_start_has_exactly_two_commands_and_ci_runs_the_second():
     readme = open(f"{helpers.ROOT}/README.md").read()
     section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]

@@ -22,13 +22,16 @@ ALLOWED = {
     "strategy": {"_tf_compat", "constants", "strategy"},
     "_tf_compat": {"_tf_compat"},
     "constants": set(),
+    "callbacks": {"training"},
 }
 
 
 def test_all_is_the_public_api():
     assert sorted(kfit_ps.__all__) == sorted([
         "ClusterConfig", "DatasetCreator", "LocalCluster", "ParameterServerStrategy",
-        "__version__"])
+        "SidecarEvaluator", "__version__", "callbacks"])
+    assert sorted(kfit_ps.callbacks.__all__) == [
+        "BackupAndRestore", "ModelCheckpoint", "SyncCallback", "TensorBoard"]
     for name in kfit_ps.__all__:
         assert getattr(kfit_ps, name) is not None
     import tensorflow as tf

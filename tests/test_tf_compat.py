@@ -83,3 +83,28 @@ def test_symbolic_build_from_specs_and_metric_order():
 def test_forget_servers_ignores_clusters_this_process_is_not_connected_to():
     # This test process may be connected to the session cluster; these addresses are not in it.
     assert _tf_compat.forget_servers(["localhost:1", "localhost:2"]) is False
+
+
+def test_local_state_scope_keeps_only_the_mapped_variables_local():
+    metric = keras.metrics.Mean()
+    kept = keras.Variable(0.0, name="kept")
+    counter = keras.Variable(0, dtype="int64", name="counter")
+    regularized = keras.layers.Dense(1, kernel_regularizer="l2")
+    regularized.build((None, 2))
+    _tf_compat.mark_kfit_variable(_tf_compat.storage(counter))
+
+    @tf.function
+    def step(state):
+        with _tf_compat.LocalStateScope(list(zip(metric.variables, state))) as scope:
+            metric.update_state(4.0)
+            kept.assign(7.0)  # not mapped: written through
+            counter.assign_add(1)  # marked, not mapped: the atomic in-place op
+            losses = regularized.losses  # regularizers read the real kernel
+        return [scope.get_current_value(v) for v in metric.variables], len(losses)
+
+    state, n_losses = step([tf.constant(1.0), tf.constant(1.0)])
+    assert [float(v) for v in state] == [5.0, 2.0]  # 1 + 4, 1 + 1: local values
+    assert [float(v.numpy()) for v in metric.variables] == [0.0, 0.0]  # untouched
+    assert float(kept.numpy()) == 7.0 and int(counter.numpy()) == 1
+    assert int(n_losses) == 1
+    assert _tf_compat.metric_scope.writes_through(kept)

@@ -16,6 +16,7 @@ from kfit_ps._tf_compat.keras_variables import (
     mark_kfit_variable,
     storage,
 )
+from kfit_ps._tf_compat.metric_scope import LocalStateScope
 from kfit_ps._tf_compat.keras_trainer import (
     flatten_metrics_in_order,
     initial_epoch_override,
@@ -25,6 +26,7 @@ from kfit_ps._tf_compat.keras_trainer import (
 )
 
 __all__ = [
+    "LocalStateScope",
     "SUPPORTED",
     "check_versions",
     "flatten_metrics_in_order",

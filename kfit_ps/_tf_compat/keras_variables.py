@@ -15,9 +15,9 @@ under a kfit_ps strategy scope); every other variable keeps stock behaviour.
 import threading
 
 import tensorflow as tf
-from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.tensorflow import core as _tf_core
 
+from kfit_ps._tf_compat.metric_scope import writes_through
 from kfit_ps._tf_compat.versions import check_versions
 
 _MARK = "_kfit_ps_variable"
@@ -45,7 +45,7 @@ def is_kfit_variable(variable):
 def _atomic(method_name, stock):
     def update(self, value):
         inner = storage(self)
-        if inner is None or not getattr(inner, _MARK, False) or in_stateless_scope():
+        if inner is None or not getattr(inner, _MARK, False) or not writes_through(self):
             return stock(self, value)
         delta = tf.cast(tf.convert_to_tensor(value), inner.dtype)
         if not self.shape.is_compatible_with(delta.shape):

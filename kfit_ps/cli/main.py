@@ -4,6 +4,8 @@
     kfit-ps server                  run this machine's worker/ps server (TF_CONFIG)
     kfit-ps local --workers 2 --ps 1
                                     start a local cluster and print the chief's TF_CONFIG
+    kfit-ps evaluator --checkpoint-dir D --model-fn M:F --data-fn M:F
+                                    evaluate each checkpoint training writes (side-car)
 
 Each flag falls back to an environment variable, then to a default; the
 effective configuration is printed at start.
@@ -104,6 +106,64 @@ def _cmd_local(args, parser):
     return 0
 
 
+def _load_callable(parser, flag, spec):
+    """`package.module:function` or `path/to/file.py:function` -> the function."""
+    import importlib
+    import importlib.util
+
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        _flag_error(parser, flag, spec, "must be MODULE:FUNCTION or FILE.py:FUNCTION.")
+    try:
+        if module_name.endswith(".py"):
+            loader_spec = importlib.util.spec_from_file_location("kfit_ps_user_entry",
+                                                                 module_name)
+            if loader_spec is None or not os.path.exists(module_name):
+                raise ImportError(f"no file {module_name}")
+            module = importlib.util.module_from_spec(loader_spec)
+            loader_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+        function = getattr(module, attr)
+    except (ImportError, AttributeError) as e:
+        _flag_error(parser, flag, spec, f"could not be loaded ({e}).")
+    if not callable(function):
+        _flag_error(parser, flag, spec, "does not name a function.")
+    return function
+
+
+def _cmd_evaluator(args, parser):
+    from kfit_ps.cluster.spec import ClusterConfig
+    from kfit_ps.training import SidecarEvaluator
+
+    if os.environ.get(constants.TF_CONFIG):
+        try:
+            config = ClusterConfig.from_tf_config()
+        except ValueError as e:
+            parser.error(str(e))
+        if config.task_type != "evaluator":
+            parser.error(f"{constants.TF_CONFIG} says this task is {config.task_type!r}; "
+                         "`kfit-ps evaluator` runs the 'evaluator' task. Set task.type to "
+                         "'evaluator' (or unset TF_CONFIG).")
+    if args.max_evaluations is not None:
+        _require_positive(parser, ("--max-evaluations", args.max_evaluations))
+    model_fn = _load_callable(parser, "--model-fn", args.model_fn)
+    data_fn = _load_callable(parser, "--data-fn", args.data_fn)
+    print(f"kfit-ps evaluator: checkpoint_dir={args.checkpoint_dir!r} model_fn={args.model_fn} "
+          f"data_fn={args.data_fn} steps={args.steps} max_evaluations={args.max_evaluations} "
+          f"log_dir={args.log_dir or args.checkpoint_dir!r} export_best={args.export_best!r}",
+          file=sys.stderr, flush=True)
+    evaluator = SidecarEvaluator(
+        model_fn(), data_fn(), args.checkpoint_dir, steps=args.steps,
+        max_evaluations=args.max_evaluations, log_dir=args.log_dir,
+        export_best=args.export_best, monitor=args.monitor, mode=args.mode,
+        idle_timeout=args.idle_timeout)
+    for evaluation in evaluator.evaluate_as_they_come():
+        print(json.dumps({"checkpoint": os.path.basename(evaluation.path),
+                          "step": evaluation.step, **evaluation.logs}), flush=True)
+    return 0
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="kfit-ps", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,6 +193,25 @@ def build_parser():
     local.add_argument("--workers", type=int, default=constants.env_int(constants.WORKERS_ENV, 2))
     local.add_argument("--ps", type=int, default=constants.env_int(constants.PS_ENV, 1))
     local.set_defaults(handler=_cmd_local)
+
+    evaluator = sub.add_parser("evaluator", help="evaluate each new checkpoint (side-car)")
+    evaluator.add_argument("--checkpoint-dir", required=True,
+                           help="directory that training's ModelCheckpoint writes")
+    evaluator.add_argument("--model-fn", required=True,
+                           help="MODULE:FUNCTION or FILE.py:FUNCTION returning a compiled model")
+    evaluator.add_argument("--data-fn", required=True,
+                           help="MODULE:FUNCTION or FILE.py:FUNCTION returning evaluation data")
+    evaluator.add_argument("--steps", type=int, default=None)
+    evaluator.add_argument("--max-evaluations", type=int, default=None)
+    evaluator.add_argument("--log-dir", default=None,
+                           help="TensorBoard summaries go to LOG_DIR/validation "
+                                "(default: the checkpoint directory)")
+    evaluator.add_argument("--export-best", default=None, help="save the best model here (.keras)")
+    evaluator.add_argument("--monitor", default="loss")
+    evaluator.add_argument("--mode", choices=("min", "max"), default="min")
+    evaluator.add_argument("--idle-timeout", type=float, default=None,
+                           help="stop after this many seconds without a new checkpoint")
+    evaluator.set_defaults(handler=_cmd_evaluator)
     return parser
 
 
@@ -142,7 +221,7 @@ def main(argv=None):
     status = args.handler(args, parser)
     sys.stdout.flush()
     sys.stderr.flush()
-    if args.command == "quickstart":
+    if args.command in ("quickstart", "evaluator"):
         # The servers are gone; skip interpreter teardown, where TensorFlow would try (and
         # loudly fail) to unregister functions from them.
         os._exit(status)

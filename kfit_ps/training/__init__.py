@@ -3,6 +3,7 @@
 from kfit_ps import _tf_compat
 from kfit_ps.training import loop
 from kfit_ps.training.dataset_creator import DatasetCreator
+from kfit_ps.training.sidecar_evaluator import Evaluation, SidecarEvaluator
 
 
 def _handles(model):
@@ -19,4 +20,4 @@ def install():
                                 predict=loop.predict)
 
 
-__all__ = ["DatasetCreator", "install"]
+__all__ = ["DatasetCreator", "Evaluation", "SidecarEvaluator", "install"]

@@ -6,9 +6,14 @@ remainder at the end of an epoch) of the model's own `train_step`,
 honoured. Functions are traced once per model compilation and per `k`: they
 are kept in the slots Keras itself uses (`model.train_function`, ...), which
 `compile()` resets.
+
+Training and evaluation functions keep metric state local and return it
+(`metric_state`): the coordinator counts each finished function once.
 """
 
 import tensorflow as tf
+
+from kfit_ps.training.metric_state import MetricState
 
 
 class ScheduledFunctions:
@@ -18,6 +23,7 @@ class ScheduledFunctions:
         self._model = model
         self._strategy = strategy
         self._cache = {}
+        self.metric_state = MetricState(model)
 
     def _get(self, key, build):
         if key not in self._cache:
@@ -25,41 +31,48 @@ class ScheduledFunctions:
         return self._cache[key]
 
     def _steps_from_iterator(self, step, k):
-        strategy = self._strategy
+        strategy, metric_state = self._strategy, self.metric_state
+
+        def one(state, iterator):
+            return metric_state.run_replica(strategy, step, next(iterator), state)
 
         def run(iterator):
+            state = metric_state.zeros()
             if k == 1:
-                strategy.run(step, args=(next(iterator),))
-                return
-            for _ in tf.range(k):
-                strategy.run(step, args=(next(iterator),))
+                state = one(state, iterator)
+            else:
+                for _ in tf.range(k):
+                    state = one(state, iterator)
+            return metric_state.pack(state)
 
         return tf.function(run, jit_compile=False)
 
     def train(self, k):
-        """`fn(iterator)`: `k` training steps on the worker's own data."""
+        """`fn(iterator) -> packed metric state`: `k` training steps on the worker's data."""
         return self._get(("train", k), lambda: self._steps_from_iterator(
             self._model.train_step, k))
 
     def test(self, k):
-        """`fn(iterator)`: `k` evaluation steps on the worker's own data."""
+        """`fn(iterator) -> packed metric state`: `k` evaluation steps on the worker's data."""
         return self._get(("test", k), lambda: self._steps_from_iterator(
             self._model.test_step, k))
 
     def _on_shipped_batch(self, key, step, return_outputs):
-        strategy = self._strategy
+        strategy, metric_state = self._strategy, self.metric_state
 
         def build():
             def run(batch):
-                outputs = strategy.run(step, args=(batch,))
-                return outputs if return_outputs else None
+                if return_outputs:
+                    return strategy.run(step, args=(batch,))
+                return metric_state.pack(
+                    metric_state.run_replica(strategy, step, batch, metric_state.zeros()))
 
             return tf.function(run, jit_compile=False, reduce_retracing=True)
 
         return self._get(key, build)
 
     def test_batch(self):
-        """`fn(batch)`: one evaluation step on a batch shipped with the call."""
+        """`fn(batch) -> packed metric state`: one evaluation step on a shipped batch."""
         return self._on_shipped_batch(("test_batch",), self._model.test_step, False)
 
     def predict_batch(self):

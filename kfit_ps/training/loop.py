@@ -14,12 +14,18 @@ Who owns what:
   across epochs, so an epoch is `steps_per_epoch` batches, not a pass.
 - **Scheduling**: `ceil(steps / steps_per_execution)` functions per epoch
   (`functions.ScheduledFunctions`), each running on whichever worker is free.
-- **`join()`**: exactly once per epoch and once per evaluation; it is the only
-  synchronisation. TensorFlow re-runs a function whose worker died.
-- **Metric reads**: after `join()`, on the coordinator (`_logs`), converted to
+- **`join()`**: once per epoch, once per evaluation, and at each step where a
+  `kfit_ps.callbacks.SyncCallback` asked for one (`callbacks.base.SyncPoints`);
+  it is the only synchronisation. TensorFlow re-runs a function whose worker
+  died.
+- **Metric state**: each scheduled function returns its own; the coordinator
+  adds each finished function's state once (`metric_state.Accumulator`) and
+  writes it to the metric variables after `join()`: exactly-once metrics.
+- **Metric reads**: after that, on the coordinator (`_logs`), converted to
   Python floats.
 - **Callbacks**: a Keras `CallbackList`; batch-level semantics in
-  `callback_policy`. **Progress**: `progress.Progress`.
+  `callback_policy`; resuming (`resume_position`) and N-step work in
+  `callbacks.base`. **Progress**: `progress.Progress`.
 """
 
 import itertools
@@ -30,7 +36,8 @@ from keras.callbacks import CallbackList
 
 from kfit_ps import _tf_compat
 from kfit_ps.strategy import is_kfit_strategy
-from kfit_ps.training import functions, inputs
+from kfit_ps.training import functions, inputs, metric_state
+from kfit_ps.training.callbacks.base import SyncPoints
 from kfit_ps.training.callback_policy import check_callbacks
 from kfit_ps.training.progress import Progress, resolve_verbose
 
@@ -112,19 +119,21 @@ def _logs(model):
     return _pythonify(model.get_metrics_result())
 
 
-def _schedule_steps(coordinator, total, k, function_for, args, on_begin, on_end):
-    """Schedules `total` steps in functions of at most `k` steps.
+def _schedule_steps(coordinator, start, stop, k, function_for, args, on_begin, on_end,
+                    accumulator):
+    """Schedules steps `start..stop-1` in functions of at most `k` steps.
 
     Batch hooks: begin(first step), end(last step) per function, except the
-    final end, which the caller makes after synchronising.
+    final end, which the caller makes after synchronising. Each function's
+    returned metric state goes to `accumulator`.
     """
-    step = 0
-    while step < total:
-        n = min(k, total - step)
+    step = start
+    while step < stop:
+        n = min(k, stop - step)
         on_begin(step)
-        coordinator.schedule(function_for(n), args=args)
+        accumulator.add(coordinator.schedule(function_for(n), args=args))
         step += n
-        if step < total:
+        if step < stop:
             on_end(step - 1, {})
 
 
@@ -150,23 +159,25 @@ class _Evaluation:
         model, strategy = self.model, self.strategy
         coordinator = strategy.coordinator
         fns = functions.for_model(model, strategy, "test_function")
+        accumulator = metric_state.Accumulator(fns.metric_state)
         model.reset_metrics()
         callbacks.on_test_begin()
         last = -1
         if isinstance(self.input, inputs.WorkerInput):
             if self._iterator is None:
                 self._iterator = _per_worker_iterator(strategy, self.input)
-            _schedule_steps(coordinator, self.steps, model.steps_per_execution, fns.test,
+            _schedule_steps(coordinator, 0, self.steps, model.steps_per_execution, fns.test,
                             (self._iterator,), callbacks.on_test_batch_begin,
-                            callbacks.on_test_batch_end)
+                            callbacks.on_test_batch_end, accumulator)
             last = self.steps - 1
         else:
             step_fn = fns.test_batch()
             for step, batch in enumerate(itertools.islice(self.input.dataset, self.steps)):
                 callbacks.on_test_batch_begin(step)
-                coordinator.schedule(step_fn, args=(batch,))
+                accumulator.add(coordinator.schedule(step_fn, args=(batch,)))
                 callbacks.on_test_batch_end(step, {})
         coordinator.join()
+        accumulator.commit()
         logs = _logs(model)
         if last >= 0:  # Per-worker input: the last batch end comes after the join.
             callbacks.on_test_batch_end(last, dict(logs))
@@ -233,28 +244,42 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
     iterator = _per_worker_iterator(strategy, train_input)
     callbacks = CallbackList(callbacks, add_history=True, add_progbar=False, model=model,
                              verbose=verbose, epochs=epochs, steps=steps_per_epoch)
+    sync = SyncPoints(callbacks.callbacks, steps_per_epoch)
     progress = Progress(verbose, epochs, steps_per_epoch)
     iterations = model.optimizer.iterations if model.optimizer is not None else None
 
     model.stop_training = False
     callbacks.on_train_begin()
     initial_epoch = _tf_compat.initial_epoch_override(model) or initial_epoch
+    first_step = 0
+    resume = sync.resume_position()
+    if resume is not None:
+        initial_epoch, first_step = resume
     logs = {}
     for epoch in range(initial_epoch, epochs):
+        first = first_step if epoch == initial_epoch else 0
         model.reset_metrics()
+        accumulator = metric_state.Accumulator(fns.metric_state)
         callbacks.on_epoch_begin(epoch)
         counter = None
         if progress.verbose == 1 and iterations is not None:
-            start = int(iterations.numpy())  # Before dispatch: no step of this epoch missed.
+            start = int(iterations.numpy()) - first  # Before dispatch: no step missed.
             counter = lambda start=start: int(iterations.numpy()) - start  # noqa: E731
-        _schedule_steps(coordinator, steps_per_epoch, model.steps_per_execution, fns.train,
-                        (iterator,), callbacks.on_train_batch_begin,
-                        callbacks.on_train_batch_end)
         progress.epoch_begin(epoch, counter)
         with progress.joining():
-            coordinator.join()
-        logs = _logs(model)
-        callbacks.on_train_batch_end(steps_per_epoch - 1, dict(logs))
+            step = first
+            for stop in sync.stops(epoch, first):
+                _schedule_steps(coordinator, step, stop, model.steps_per_execution, fns.train,
+                                (iterator,), callbacks.on_train_batch_begin,
+                                callbacks.on_train_batch_end, accumulator)
+                coordinator.join()
+                accumulator.commit()
+                logs = _logs(model)
+                callbacks.on_train_batch_end(stop - 1, dict(logs))
+                sync.synchronised(epoch, stop, dict(logs))
+                step = stop
+                if model.stop_training:
+                    break
         if evaluation is not None and (epoch + 1) % validation_freq == 0:
             val_logs = evaluation.run(callbacks)
             logs.update({f"val_{k}": v for k, v in val_logs.items()})

@@ -1,0 +1,68 @@
+"""Callbacks that act every N training steps on a synchronised, consistent state.
+
+Parameter-server `fit` never waits for steps per batch: workers run ahead
+while the coordinator schedules. A callback that reads weights every N steps
+must therefore ask for a synchronisation, or it reads weights while steps are
+still being applied. `SyncCallback` is how it asks:
+
+- `sync_every = N` (an int, or None): the loop joins after every global step
+  that is a multiple of N (global step = `epoch * steps_per_epoch + step`,
+  counted from the first epoch, so a resumed run keeps the same points). No
+  step is in flight then, and the epoch's metrics so far are exact.
+- `on_train_sync(epoch, step, logs)` is then called, with `step` the number
+  of steps completed in `epoch` (1..steps_per_epoch) and `logs` the epoch's
+  metrics so far.
+- `resume_position()`, called after `on_train_begin`, may return
+  `(epoch, step)`: `fit` then starts `epoch` after its first `step` steps.
+
+The loop also joins at every epoch end, as always; `SyncPoints` computes the
+union of the points.
+"""
+
+import keras
+
+
+class SyncCallback(keras.callbacks.Callback):
+    """Base class of kfit_ps callbacks that act on synchronised training state."""
+
+    sync_every = None
+
+    def on_train_sync(self, epoch, step, logs):
+        """Called after a synchronisation at a multiple of `sync_every` steps."""
+
+    def resume_position(self):
+        """`(epoch, step)` to resume training from, or None to start as asked."""
+        return None
+
+
+class SyncPoints:
+    """Where one `fit` call synchronises, from its callbacks' `sync_every`."""
+
+    def __init__(self, callbacks, steps_per_epoch):
+        self._callbacks = [cb for cb in callbacks if isinstance(cb, SyncCallback)]
+        self._steps = steps_per_epoch
+
+    def resume_position(self):
+        positions = [p for p in (cb.resume_position() for cb in self._callbacks)
+                     if p is not None]
+        return max(positions) if positions else None
+
+    def stops(self, epoch, first):
+        """Sorted steps of `epoch` after which to synchronise (the last is the epoch end)."""
+        base, points = epoch * self._steps, {self._steps}
+        for cb in self._callbacks:
+            n = cb.sync_every
+            if not n:
+                continue
+            point = ((base + first) // n + 1) * n
+            while point < base + self._steps:
+                points.add(point - base)
+                point += n
+        return sorted(p for p in points if p > first)
+
+    def synchronised(self, epoch, step, logs):
+        """Tells each due callback that `step` steps of `epoch` are done and applied."""
+        global_step = epoch * self._steps + step
+        for cb in self._callbacks:
+            if cb.sync_every and global_step % cb.sync_every == 0:
+                cb.on_train_sync(epoch, step, logs)

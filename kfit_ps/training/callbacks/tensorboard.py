@@ -1,0 +1,70 @@
+"""`TensorBoard` scalars for parameter-server training."""
+
+import os
+
+import tensorflow as tf
+
+from kfit_ps.training import checkpoint_files, summaries
+from kfit_ps.training.callbacks.base import SyncCallback
+
+
+class TensorBoard(SyncCallback):
+    """Writes training and validation scalars for TensorBoard.
+
+    Epoch scalars (`epoch_<metric>`, step = epoch) go to `log_dir/train` and
+    `log_dir/validation`, as with `keras.callbacks.TensorBoard`; validation
+    results are also written as `evaluation_<metric>_vs_iterations` (step =
+    the optimizer's `iterations`). With an integer `update_freq`, the epoch's
+    metrics so far are written as `batch_<metric>` every `update_freq` global
+    steps, with step = `iterations`. Those values are exact: `fit` synchronises
+    once per `update_freq` steps for them (never per batch), so choose a
+    frequency that is large against `steps_per_execution`.
+
+    ```python
+    tb = kfit_ps.callbacks.TensorBoard("logs", update_freq=200)
+    model.fit(dc, epochs=5, steps_per_epoch=1000, callbacks=[tb])
+    ```
+
+    Args:
+        log_dir: directory for the event files. Defaults to `"logs"`.
+        update_freq: `"epoch"` or a positive number of steps. Defaults to `"epoch"`.
+    """
+
+    def __init__(self, log_dir="logs", update_freq="epoch"):
+        super().__init__()
+        if update_freq != "epoch" and (isinstance(update_freq, bool) or not isinstance(
+                update_freq, int) or update_freq <= 0):
+            raise ValueError(
+                "TensorBoard: `update_freq` must be 'epoch' or a positive integer number of "
+                f"training steps. Received: update_freq={update_freq!r}.")
+        self.log_dir = os.fspath(log_dir)
+        self.update_freq = update_freq
+        self.sync_every = None if update_freq == "epoch" else update_freq
+        self._writers = {}
+
+    def _writer(self, name):
+        if name not in self._writers:
+            self._writers[name] = tf.summary.create_file_writer(
+                os.path.join(self.log_dir, name))
+        return self._writers[name]
+
+    def _write(self, name, tag_format, logs, step):
+        summaries.write_scalars(self._writer(name), tag_format, logs, step)
+
+    def on_train_sync(self, epoch, step, logs):
+        self._write("train", "batch_{}", logs, checkpoint_files.training_step(self.model))
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = logs or {}
+        train = {k: v for k, v in logs.items() if not k.startswith("val_")}
+        val = {k[4:]: v for k, v in logs.items() if k.startswith("val_")}
+        self._write("train", "epoch_{}", train, epoch)
+        if val:
+            self._write("validation", "epoch_{}", val, epoch)
+            self._write("validation", "evaluation_{}_vs_iterations", val,
+                        checkpoint_files.training_step(self.model))
+
+    def on_train_end(self, logs=None):
+        for writer in self._writers.values():
+            writer.close()
+        self._writers = {}

@@ -1,0 +1,110 @@
+"""Exactly-once metric state for scheduled functions.
+
+TensorFlow re-runs a scheduled function whose worker died, so anything the
+function wrote to the ps before the failure is written again: updates are
+at-least-once. For parameters that is the nature of asynchronous training;
+for metrics it would make counts wrong (a batch counted twice).
+
+So metric state is never written on the ps by a scheduled function. Each
+function starts from zero metric state, runs its steps with the metric
+variables kept local (`_tf_compat.LocalStateScope`), and *returns* the state
+it accumulated. The coordinator adds the returned state of each function
+exactly once, when that function has finished (`Accumulator`), and writes
+the sum to the metric variables after synchronising (`Accumulator.commit`).
+A re-run function returns one result, so each step's metrics count once.
+
+This is exact for metric variables with `aggregation="sum"` (every Keras 3
+built-in metric: totals, counts, confusion matrices), which Keras defines as
+additive across replicas starting from zero. A variable with any other
+aggregation keeps being updated in place on the ps (at-least-once).
+
+Returned state is packed into one flat tensor per dtype, so fetching a
+function's result is one small transfer.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from kfit_ps import _tf_compat
+
+
+class MetricState:
+    """Which metric variables a model's scheduled functions keep local."""
+
+    def __init__(self, model):
+        self.variables = [v for v in model.metrics_variables if v.aggregation == "sum"]
+        self._groups = {}
+        for index, v in enumerate(self.variables):
+            self._groups.setdefault(v.dtype, []).append(index)
+
+    def zeros(self):
+        """Zero state (inside a traced function)."""
+        return [tf.zeros(v.shape, v.dtype) for v in self.variables]
+
+    def run_replica(self, strategy, step, batch, state):
+        """`strategy.run(step, (batch,))` with the metric variables local; returns their values.
+
+        The scope is entered inside the replica function: strategies may run
+        it on their own thread, and Keras scopes are per thread.
+        """
+
+        def replica_fn(batch, state):
+            if not self.variables:
+                step(batch)
+                return state
+            with _tf_compat.LocalStateScope(list(zip(self.variables, state))) as scope:
+                step(batch)
+            return [tf.convert_to_tensor(scope.get_current_value(v)) for v in self.variables]
+
+        result = strategy.run(replica_fn, args=(batch, state))
+        return [strategy.experimental_local_results(part)[0] for part in result]
+
+    def pack(self, state):
+        """One flat tensor per dtype (inside a traced function)."""
+        return tuple(tf.concat([tf.reshape(state[i], [-1]) for i in indices], axis=0)
+                     for indices in self._groups.values())
+
+    def unpack(self, packed):
+        """Numpy arrays in variable order from `pack`'s (fetched) output."""
+        values = [None] * len(self.variables)
+        for flat, indices in zip(packed, self._groups.values()):
+            offset = 0
+            for i in indices:
+                shape = self.variables[i].shape
+                size = int(np.prod(shape, dtype=np.int64))
+                values[i] = np.reshape(flat[offset:offset + size], shape)
+                offset += size
+        return values
+
+
+class Accumulator:
+    """Adds the metric state of finished functions, each exactly once."""
+
+    def __init__(self, metric_state):
+        self._state = metric_state
+        self._pending = []
+        self._sum = None
+
+    def add(self, remote_value):
+        """Registers a scheduled function's result (a RemoteValue of `pack` output)."""
+        if self._state.variables:
+            self._pending.append(remote_value)
+
+    def fold(self):
+        """Fetches every registered result; call after `join()`."""
+        for remote in self._pending:
+            packed = [np.asarray(part, dtype=np.float64 if np.issubdtype(
+                np.asarray(part).dtype, np.floating) else None) for part in remote.fetch()]
+            if self._sum is None:
+                self._sum = packed
+            else:
+                self._sum = [a + b for a, b in zip(self._sum, packed)]
+        self._pending = []
+
+    def commit(self):
+        """Folds, then writes the accumulated state to the metric variables."""
+        self.fold()
+        if self._sum is None:
+            return
+        for variable, value in zip(self._state.variables, self._state.unpack(self._sum)):
+            variable.assign(value.astype(variable.dtype))

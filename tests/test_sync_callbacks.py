@@ -1,0 +1,191 @@
+"""kfit_ps.callbacks: N-step checkpoints, backups and summaries on a consistent state."""
+
+import json
+
+import h5py
+import keras
+import numpy as np
+import pytest
+
+import kfit_ps
+from kfit_ps import _tf_compat
+from kfit_ps.training import summaries
+from tests import helpers
+
+
+def model_and_data(strategy, steps_per_execution=1, optimizer="sgd"):
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer=optimizer, loss="mse", metrics=[helpers.counting_metric()],
+                      steps_per_execution=steps_per_execution)
+    return model, kfit_ps.DatasetCreator(helpers.regression_dataset_fn())
+
+
+def saved_iterations(path):
+    with h5py.File(path, "r") as f:
+        return int(np.asarray(f["optimizer/vars/0"]))
+
+
+def test_model_checkpoint_every_n_steps_is_a_consistent_snapshot(strategy, tmp_path):
+    # 2 workers, 3 steps per function: the loop must cut functions at the save points.
+    model, data = model_and_data(strategy, steps_per_execution=3)
+    seen = []
+
+    class Batches(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if logs:
+                seen.append((batch, logs["batches"]))
+
+    checkpoint = kfit_ps.callbacks.ModelCheckpoint(
+        str(tmp_path / "ckpt-{epoch:02d}-{batch:03d}.weights.h5"), save_weights_only=True,
+        save_freq=4)
+    model.fit(data, epochs=2, steps_per_epoch=10, verbose=0, callbacks=[checkpoint, Batches()])
+    names = sorted(p.name for p in tmp_path.glob("*.weights.h5"))
+    assert names == ["ckpt-01-004.weights.h5", "ckpt-01-008.weights.h5",
+                     "ckpt-02-002.weights.h5", "ckpt-02-006.weights.h5",
+                     "ckpt-02-010.weights.h5"]
+    # Global steps 4, 8, 12, 16, 20: the file's iterations equal the steps applied,
+    # so no step was in flight while the weights were read.
+    for name, step in zip(names, [4, 8, 12, 16, 20]):
+        assert saved_iterations(tmp_path / name) == step
+        marker = json.loads((tmp_path / (name + ".kfit_ps.json")).read_text())
+        assert marker["step"] == step
+    # The batch ends after a synchronisation carry the epoch's exact counts so far.
+    assert seen == [(3, 4.0), (7, 8.0), (9, 10.0), (1, 2.0), (5, 6.0), (9, 10.0)]
+    assert json.loads((tmp_path / "kfit_ps_training_done.json").read_text()) == {"step": 20}
+    restored = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    restored.load_weights(str(tmp_path / names[-1]))
+    for a, b in zip(restored.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_model_checkpoint_keras_format_best_only_loads_without_a_cluster(strategy, tmp_path):
+    model, data = model_and_data(strategy)
+    path = tmp_path / "best.keras"
+    checkpoint = kfit_ps.callbacks.ModelCheckpoint(str(path), monitor="loss",
+                                                   save_best_only=True)
+    model.fit(data, epochs=3, steps_per_epoch=20, verbose=0, callbacks=[checkpoint])
+    assert checkpoint.best is not None and checkpoint.last_saved == str(path)
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype("float32")
+    code = f"""
+        import keras, numpy as np
+        m = keras.models.load_model({str(path)!r}, compile=False)
+        report(pred=m.predict(np.array({x.tolist()!r}, dtype="float32"), verbose=0).tolist())
+        """
+    result = helpers.run_chief(code)  # A plain process: no cluster, no strategy.
+    np.testing.assert_allclose(result["pred"], model.predict(x, verbose=0), rtol=1e-6)
+
+
+def test_backup_and_restore_resumes_mid_epoch(strategy, tmp_path):
+    backup_dir = tmp_path / "backup"
+    model, data = model_and_data(strategy, optimizer="adam")
+
+    class Crash(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 2:
+                raise RuntimeError("simulated crash")
+
+    backup = kfit_ps.callbacks.BackupAndRestore(str(backup_dir), save_freq=3)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        model.fit(data, epochs=3, steps_per_epoch=5, verbose=0, callbacks=[backup, Crash()])
+    state = json.loads((backup_dir / "latest.json").read_text())
+    # Global steps 3, 6, 9: the last backup is after step 4 of epoch 1, iterations 9.
+    assert (state["epoch"], state["step"], state["iterations"]) == (1, 4, 9)
+    assert sorted(p.name for p in backup_dir.glob("*.h5")) == [state["weights"]]
+    saved = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    saved.load_weights(str(backup_dir / state["weights"]))
+
+    fresh, data = model_and_data(strategy, optimizer="adam")  # new variables, same cluster
+    seen = {}
+
+    class Begin(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if "weights" not in seen:
+                seen["weights"] = fresh.get_weights()
+                seen["slots"] = [v.numpy() for v in fresh.optimizer.variables]
+
+    history = fresh.fit(data, epochs=3, steps_per_epoch=5, verbose=0,
+                        callbacks=[kfit_ps.callbacks.BackupAndRestore(str(backup_dir),
+                                                                       save_freq=3), Begin()])
+    for a, b in zip(seen["weights"], saved.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert int(seen["slots"][0]) == 9 and any(np.any(s != 0) for s in seen["slots"][2:])
+    assert history.epoch == [1, 2]
+    assert history.history["batches"] == [1.0, 5.0]  # the rest of epoch 1, then epoch 2
+    assert int(fresh.optimizer.iterations.numpy()) == 15
+    assert not backup_dir.exists()  # deleted when fit completed
+    history = fresh.fit(data, epochs=1, steps_per_epoch=5, verbose=0, callbacks=[
+        kfit_ps.callbacks.BackupAndRestore(str(backup_dir), save_freq=3)])
+    assert history.epoch == [0] and int(fresh.optimizer.iterations.numpy()) == 20
+
+
+def test_tensorboard_step_and_epoch_scalars(strategy, tmp_path):
+    model, data = model_and_data(strategy, steps_per_execution=2)
+    board = kfit_ps.callbacks.TensorBoard(str(tmp_path), update_freq=5)
+    model.fit(data, epochs=2, steps_per_epoch=10, verbose=0, validation_data=data,
+              validation_steps=3, callbacks=[board])
+    train = summaries.read_scalars(str(next((tmp_path / "train").glob("events.*"))))
+    val = summaries.read_scalars(str(next((tmp_path / "validation").glob("events.*"))))
+    assert [step for step, _ in train["batch_batches"]] == [5, 10, 15, 20]
+    assert [value for _, value in train["batch_batches"]] == [5.0, 10.0, 5.0, 10.0]
+    assert [step for step, _ in train["epoch_loss"]] == [0, 1]
+    assert [value for _, value in val["epoch_batches"]] == [3.0, 3.0]
+    assert [step for step, _ in val["evaluation_loss_vs_iterations"]] == [10, 20]
+
+
+def test_early_stopping_restores_best_weights_on_the_ps(strategy):
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    data = kfit_ps.DatasetCreator(helpers.regression_dataset_fn())
+    best = {}
+
+    class Record(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                best["weights"] = model.get_weights()
+
+    # Epochs 0-1 learn; from epoch 2 a huge rate makes the loss explode.
+    schedule = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.05 if epoch < 2
+                                                     else 5.0)
+    stop = keras.callbacks.EarlyStopping(monitor="loss", patience=2, restore_best_weights=True)
+    history = model.fit(data, epochs=10, steps_per_epoch=10, verbose=0,
+                        callbacks=[schedule, Record(), stop])
+    assert history.epoch == [0, 1, 2, 3]
+    assert np.argmin(history.history["loss"]) == 1
+    # Read back from the ps tasks: the variables there hold epoch 1's weights.
+    on_ps = [v.numpy() for v in model.trainable_variables]
+    for a, b in zip(on_ps, best["weights"]):
+        np.testing.assert_array_equal(a, b)
+    assert all("/job:ps/" in _tf_compat.storage(v).device for v in model.trainable_variables)
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (lambda d: kfit_ps.callbacks.ModelCheckpoint(str(d / "m.h5")), "must end in '.keras'"),
+    (lambda d: kfit_ps.callbacks.ModelCheckpoint(str(d / "m.keras"), save_weights_only=True),
+     "must end in '.weights.h5'"),
+    (lambda d: kfit_ps.callbacks.ModelCheckpoint(str(d / "m.keras"), save_freq=0),
+     "save_freq=0"),
+    (lambda d: kfit_ps.callbacks.BackupAndRestore(str(d), save_freq="batch"),
+     "save_freq='batch'"),
+    (lambda d: kfit_ps.callbacks.TensorBoard(str(d), update_freq=-1), "update_freq=-1"),
+])
+def test_bad_callback_arguments_are_named(tmp_path, make, fragment):
+    with pytest.raises(ValueError, match="Received") as info:
+        make(tmp_path)
+    assert fragment in str(info.value)
+
+
+def test_sync_points_cover_every_multiple_and_the_epoch_end():
+    from kfit_ps.training.callbacks.base import SyncCallback, SyncPoints
+
+    class Every(SyncCallback):
+        def __init__(self, n):
+            super().__init__()
+            self.sync_every = n
+
+    points = SyncPoints([Every(4), Every(6), keras.callbacks.Callback()], steps_per_epoch=10)
+    assert points.stops(0, 0) == [4, 6, 8, 10]
+    assert points.stops(1, 0) == [2, 6, 8, 10]  # global 12, 16, 18, 20
+    assert points.stops(1, 6) == [8, 10]  # resumed after step 6 of epoch 1
+    assert SyncPoints([], 7).stops(3, 0) == [7]
