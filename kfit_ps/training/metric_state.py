@@ -77,6 +77,11 @@ class MetricState:
         return values
 
 
+def _widened(array):
+    """Floating state is summed in float64, so adding many results loses nothing."""
+    return array.astype(np.float64) if np.issubdtype(array.dtype, np.floating) else array
+
+
 class Accumulator:
     """Adds the metric state of finished functions, each exactly once."""
 
@@ -93,8 +98,7 @@ class Accumulator:
     def fold(self):
         """Fetches every registered result; call after `join()`."""
         for remote in self._pending:
-            packed = [np.asarray(part, dtype=np.float64 if np.issubdtype(
-                np.asarray(part).dtype, np.floating) else None) for part in remote.fetch()]
+            packed = [_widened(np.asarray(part)) for part in remote.fetch()]
             if self._sum is None:
                 self._sum = packed
             else:
