@@ -28,7 +28,8 @@ _logging.getLogger("kfit_ps").setLevel(_constants.log_level())
 from kfit_ps import training as _training  # noqa: E402
 from kfit_ps.cluster.local import LocalCluster  # noqa: E402
 from kfit_ps.cluster.spec import ClusterConfig  # noqa: E402
-from kfit_ps.strategy import ParameterServerStrategy  # noqa: E402
+from kfit_ps.strategy import ParameterServerStrategy, shards  # noqa: E402
+from kfit_ps import partitioners  # noqa: E402
 from kfit_ps.training import DatasetCreator, SidecarEvaluator  # noqa: E402
 from kfit_ps import callbacks  # noqa: E402
 
@@ -44,4 +45,6 @@ __all__ = [
     "SidecarEvaluator",
     "__version__",
     "callbacks",
+    "partitioners",
+    "shards",
 ]

@@ -23,13 +23,14 @@ ALLOWED = {
     "_tf_compat": {"_tf_compat"},
     "constants": set(),
     "callbacks": {"training"},
+    "partitioners": set(),
 }
 
 
 def test_all_is_the_public_api():
     assert sorted(kfit_ps.__all__) == sorted([
         "ClusterConfig", "DatasetCreator", "LocalCluster", "ParameterServerStrategy",
-        "SidecarEvaluator", "__version__", "callbacks"])
+        "SidecarEvaluator", "__version__", "callbacks", "partitioners", "shards"])
     assert sorted(kfit_ps.callbacks.__all__) == [
         "BackupAndRestore", "ModelCheckpoint", "SyncCallback", "TensorBoard"]
     for name in kfit_ps.__all__:

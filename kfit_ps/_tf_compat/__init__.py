@@ -17,8 +17,18 @@ from kfit_ps._tf_compat.keras_variables import (
     storage,
 )
 from kfit_ps._tf_compat.metric_scope import LocalStateScope
+from kfit_ps._tf_compat.keras_sharding import (
+    install_sharding_support,
+    shards,
+    sharded_storage,
+    variable_partitioner,
+)
 from kfit_ps._tf_compat.keras_trainer import (
     flatten_metrics_in_order,
+    has_stock_train_step,
+    install_load_weights_hook,
+    optimizer_slots,
+    train_step_with,
     initial_epoch_override,
     install_dispatch,
     model_strategy,
@@ -30,10 +40,18 @@ __all__ = [
     "SUPPORTED",
     "check_versions",
     "flatten_metrics_in_order",
+    "has_stock_train_step",
+    "install_sharding_support",
+    "optimizer_slots",
+    "sharded_storage",
+    "shards",
+    "train_step_with",
+    "variable_partitioner",
     "forget_servers",
     "initial_epoch_override",
     "install_atomic_updates",
     "install_dispatch",
+    "install_load_weights_hook",
     "is_kfit_variable",
     "mark_kfit_variable",
     "model_strategy",

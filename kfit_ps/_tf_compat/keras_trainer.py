@@ -10,7 +10,11 @@ trainer attributes the loop needs.
 import functools
 import threading
 
+import tensorflow as tf
+from keras.src import tree
 from keras.src.backend.tensorflow import trainer as _tf_trainer
+from keras.src.losses import loss as loss_module
+from keras.src.trainers import data_adapters
 
 from kfit_ps._tf_compat.versions import check_versions
 
@@ -79,3 +83,83 @@ def stock_method(name):
 
 
 
+
+def has_stock_train_step(model):
+    """Whether `model` uses Keras' own TensorFlow `train_step` (not overridden)."""
+    return type(model).train_step is _tf_trainer.TensorFlowTrainer.train_step
+
+
+def train_step_with(model, data, apply_gradients):
+    """Keras 3.15's TensorFlow `train_step`, with the gradient step supplied.
+
+    `apply_gradients(tape, loss)` computes and applies the gradients; the rest
+    (forward pass, loss, loss tracker, loss scaling, metrics) is Keras' own,
+    line for line, so a model with sharded variables trains exactly like one
+    without.
+    """
+    x, y, sample_weight = data_adapters.data_adapter_utils.unpack_x_y_sample_weight(data)
+    with tf.GradientTape() as tape:
+        if model._call_has_training_arg:
+            y_pred = model(x, training=True)
+        else:
+            y_pred = model(x)
+        loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                   training=True)
+        model._loss_tracker.update_state(
+            loss_module.unscale_loss_for_distribution(loss),
+            sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0])
+        if model.optimizer is not None:
+            loss = model.optimizer.scale_loss(loss)
+    if model.trainable_weights:
+        apply_gradients(tape, loss)
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def optimizer_slots(optimizer, variable):
+    """The slot variables Keras 3.15's SGD, Adagrad and Adam keep for `variable`.
+
+    Returns a dict (`momentum`; `accumulator`; `m`, `v`, `v_hat`), or None for
+    other optimizers.
+    """
+    import keras
+
+    index = optimizer._get_variable_index(variable)
+    if isinstance(optimizer, keras.optimizers.Adam):
+        slots = {"m": optimizer._momentums[index], "v": optimizer._velocities[index]}
+        if optimizer.amsgrad:
+            slots["v_hat"] = optimizer._velocity_hats[index]
+        return slots
+    if isinstance(optimizer, keras.optimizers.Adagrad):
+        return {"accumulator": optimizer._accumulators[index]}
+    if isinstance(optimizer, keras.optimizers.SGD):
+        return {"momentum": optimizer.momentums[index]} if optimizer.momentum else {}
+    return None
+
+
+_load_hooks = {}
+
+
+def install_load_weights_hook(key, predicate, hook):
+    """Calls `hook(model)` before Keras' `Model.load_weights` when `predicate(model)` holds.
+
+    Idempotent per `key`. Used to create optimizer slots before loading, so
+    Keras loads them instead of skipping them with a warning.
+    """
+    from keras.src.models import model as _model
+
+    with _install_lock:
+        check_versions()
+        _load_hooks[key] = (predicate, hook)
+        stock = _model.Model.load_weights
+        if hasattr(stock, "_kfit_ps_stock"):
+            return
+
+        @functools.wraps(stock)
+        def load_weights(self, *args, **kwargs):
+            for predicate_, hook_ in list(_load_hooks.values()):
+                if predicate_(self):
+                    hook_(self)
+            return stock(self, *args, **kwargs)
+
+        load_weights._kfit_ps_stock = stock
+        _model.Model.load_weights = load_weights

@@ -94,6 +94,8 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
                 "Use e.g. tf.distribute.experimental.partitioners.MinSizePartitioner()."
             )
         _tf_compat.install_atomic_updates()
+        if variable_partitioner is not None:
+            _tf_compat.install_sharding_support()
         resolver = _validated_resolver(cluster_resolver)
         spec = resolver.cluster_spec().as_dict()
         self._num_workers = len(spec[constants.WORKER])

@@ -10,14 +10,26 @@ def _handles(model):
     return loop.strategy_for(model) is not None
 
 
+def _build_optimizer_before_load(model):
+    """Creates the optimizer's slots (on the ps) so `load_weights` restores them."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or optimizer.built or not model.built:
+        return
+    with loop.strategy_for(model).scope():
+        optimizer.build(model.trainable_variables)
+
+
 def install():
     """Routes `fit` / `evaluate` / `predict` of models built under a kfit_ps strategy.
 
     Called once by `import kfit_ps`; idempotent. Models built outside a kfit_ps
-    strategy scope keep Keras' own methods.
+    strategy scope keep Keras' own methods. `load_weights` of a kfit_ps model
+    first creates its optimizer's slots, so that they are restored, never
+    skipped.
     """
     _tf_compat.install_dispatch("kfit_ps", _handles, fit=loop.fit, evaluate=loop.evaluate,
                                 predict=loop.predict)
+    _tf_compat.install_load_weights_hook("kfit_ps", _handles, _build_optimizer_before_load)
 
 
 __all__ = ["DatasetCreator", "Evaluation", "SidecarEvaluator", "install"]

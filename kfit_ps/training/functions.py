@@ -13,6 +13,8 @@ Training and evaluation functions keep metric state local and return it
 
 import tensorflow as tf
 
+from kfit_ps import _tf_compat
+from kfit_ps.training import sharded_updates
 from kfit_ps.training.metric_state import MetricState
 
 
@@ -47,10 +49,17 @@ class ScheduledFunctions:
 
         return tf.function(run, jit_compile=False)
 
+    def _train_step(self):
+        model = self._model
+        if not sharded_updates.has_sharded_variables(model):
+            return model.train_step
+        gradient_step = sharded_updates.ShardedGradientStep(model)
+        return lambda data: _tf_compat.train_step_with(model, data, gradient_step)
+
     def train(self, k):
         """`fn(iterator) -> packed metric state`: `k` training steps on the worker's data."""
         return self._get(("train", k), lambda: self._steps_from_iterator(
-            self._model.train_step, k))
+            self._train_step(), k))
 
     def test(self, k):
         """`fn(iterator) -> packed metric state`: `k` evaluation steps on the worker's data."""

@@ -36,7 +36,7 @@ from keras.callbacks import CallbackList
 
 from kfit_ps import _tf_compat
 from kfit_ps.strategy import is_kfit_strategy
-from kfit_ps.training import functions, inputs, metric_state
+from kfit_ps.training import functions, inputs, metric_state, sharded_updates
 from kfit_ps.training.callbacks.base import SyncPoints
 from kfit_ps.training.callback_policy import check_callbacks
 from kfit_ps.training.progress import Progress, resolve_verbose
@@ -73,6 +73,15 @@ def _prepare(model, strategy, element_spec, method):
     with strategy.scope():
         _tf_compat.symbolic_build(model, element_spec)
     _check_placement(model, method)
+    if method == "fit" and sharded_updates.has_sharded_variables(model):
+        if not _tf_compat.has_stock_train_step(model):
+            raise ValueError(
+                f"Model {model.name!r} overrides `train_step` and has sharded variables "
+                "(variable_partitioner). kfit_ps trains sharded variables with its own gradient "
+                "step inside Keras' train_step. Remove the override, or take gradients with "
+                "respect to `kfit_ps.shards(variable)` and create the model without a "
+                "variable_partitioner.")
+        sharded_updates.check_optimizer(model)
 
 
 def _check_placement(model, method):

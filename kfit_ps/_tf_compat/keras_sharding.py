@@ -1,0 +1,214 @@
+"""Keras 3 variables stored as shards on several ps tasks.
+
+Under a `ParameterServerStrategy` with a `variable_partitioner`, TensorFlow
+creates a variable whose partitioner asks for more than one shard as a
+`ShardedVariable` (shard `i` holds rows `offsets[i]:offsets[i+1]`, "div"
+layout, shards round-robin over the ps tasks). A Keras 3 variable then holds
+that `ShardedVariable` as its storage. Out of the box this breaks in three
+ways, which `install_sharding_support()` mends (with a fourth), for variables created under
+a kfit_ps scope only:
+
+1. **Initialization.** Keras creates `tf.Variable(lambda: init(full_shape))`
+   without a shape, so TensorFlow builds the *whole* initial value on the
+   coordinator and slices it. Here the variable gets its shape and a
+   partition-aware initial value: each shard's value is made for that shard
+   only (`_PartitionAwareInit`).
+2. **Optimizer slots.** Keras creates a slot "colocated with" its variable;
+   for a `ShardedVariable` TensorFlow then puts one unsharded slot on the
+   coordinator. Here a slot of a sharded variable is sharded the same way,
+   shard `i` colocated with the variable's shard `i`.
+3. **Reading to numpy** (`variable.numpy()`, `get_weights`, `save_weights`,
+   `model.save`): the shards are concatenated on the coordinator (Keras'
+   own code would fail on a `ShardedVariable`). Loading assigns a whole
+   value, which `ShardedVariable.assign` splits, whatever the shard count.
+   A `tf.train.Checkpoint` saves the whole value too, and restores it into
+   any number of shards.
+4. **Lookups.** `ops.take(table, ids, axis=0)` (what `keras.layers.Embedding`
+   does) would concatenate every shard each step. Here it becomes one gather
+   per shard, on that shard's ps task, so only the touched rows travel.
+
+Gradients with respect to a sharded variable are taken with respect to its
+shards (`shards(variable)`); see `kfit_ps.training.sharded_updates`.
+"""
+
+import functools
+import threading
+
+import tensorflow as tf
+from keras.src.backend.common.variables import Variable as KerasVariable
+from keras.src.backend.tensorflow import core as _tf_core
+from keras.src.backend.tensorflow import numpy as _tf_numpy
+from keras.src.backend.tensorflow import optimizer as _tf_optimizer
+from keras.src.optimizers import base_optimizer as _base_optimizer
+from tensorflow.python.distribute.sharded_variable import ShardedVariable
+
+from kfit_ps._tf_compat.keras_variables import mark_kfit_variable, storage
+from kfit_ps._tf_compat.versions import check_versions
+
+_lock = threading.Lock()
+_installed = False
+
+
+def sharded_storage(variable):
+    """The `ShardedVariable` behind a Keras or TF variable, or None if not sharded."""
+    inner = storage(variable) if isinstance(variable, KerasVariable) else variable
+    return inner if isinstance(inner, ShardedVariable) else None
+
+
+def shards(variable):
+    """The `tf.Variable` components of a (Keras) variable: one when not sharded."""
+    sharded = sharded_storage(variable)
+    if sharded is not None:
+        return list(sharded.variables)
+    inner = storage(variable) if isinstance(variable, KerasVariable) else variable
+    return [inner]
+
+
+def variable_partitioner(strategy):
+    """The partitioner a TF parameter-server strategy was created with (or None)."""
+    return getattr(strategy.extended, "_variable_partitioner", None)
+
+
+class _PartitionAwareInit:
+    """A Keras initializer as a TF initial value that can make one shard at a time."""
+
+    def __init__(self, initializer, shape, dtype):
+        self.initializer, self.shape, self.dtype = initializer, tuple(shape), dtype
+
+    def __call__(self, partition_shape=None, partition_offset=None):
+        shape = self.shape if partition_shape is None else tuple(partition_shape)
+        return self.initializer(shape, dtype=self.dtype)
+
+
+def _active_partitioner():
+    if not tf.distribute.has_strategy():
+        return None
+    return variable_partitioner(tf.distribute.get_strategy())
+
+
+def _initialize_with_initializer(stock):
+    def initialize(self, initializer):
+        if _active_partitioner() is None or len(self._shape) == 0:
+            return stock(self, initializer)
+        self._value = tf.Variable(
+            _PartitionAwareInit(initializer, self._shape, self._dtype),
+            shape=self._shape,
+            dtype=self._dtype,
+            trainable=self.trainable,
+            name=self.name,
+            aggregation=self._map_aggregation(self.aggregation),
+            synchronization=self._map_synchronization(self.synchronization),
+        )
+
+    initialize._kfit_ps_stock = stock
+    return initialize
+
+
+def _colocated_shards_creator(reference, next_creator, **kwargs):
+    """Creates a variable sharded like `reference`, shard i next to its shard i."""
+    initial_value = kwargs["initial_value"]
+    name = kwargs.get("name") or "slot"
+    parts, offset = [], 0
+    for i, ref in enumerate(reference.variables):
+        shape = tuple(ref.shape)
+        if isinstance(initial_value, _PartitionAwareInit):
+            value = functools.partial(initial_value, partition_shape=shape,
+                                      partition_offset=(offset,) + (0,) * (len(shape) - 1))
+        else:
+            value = functools.partial(
+                lambda start, stop: tf.convert_to_tensor(
+                    initial_value() if callable(initial_value) else initial_value)[start:stop],
+                offset, offset + shape[0])
+        # `colocate_with` is how the strategy's creator learns to place (and not shard) it.
+        parts.append(next_creator(**dict(kwargs, initial_value=value, shape=shape,
+                                         name=f"{name}/part_{i}", colocate_with=ref)))
+        offset += shape[0]
+    return mark_kfit_variable(ShardedVariable(parts))
+
+
+def _add_variable_from_reference(stock):
+    def add(self, reference_variable, name=None, initializer="zeros"):
+        reference = sharded_storage(reference_variable)
+        if reference is None:
+            return stock(self, reference_variable, name=name, initializer=initializer)
+        # Not the TF optimizer's colocate_vars_with(ShardedVariable): see the module doc.
+        with tf.variable_creator_scope(functools.partial(_colocated_shards_creator, reference)):
+            return _base_optimizer.BaseOptimizer.add_variable_from_reference(
+                self, reference_variable, name=name, initializer=initializer)
+
+    add._kfit_ps_stock = stock
+    return add
+
+
+def _take(stock):
+    def take(x, indices, axis=None):
+        sharded = sharded_storage(x) if isinstance(x, KerasVariable) else None
+        if sharded is None or axis != 0 or isinstance(indices, tf.SparseTensor):
+            return stock(x, indices, axis=axis)
+        ids = tf.convert_to_tensor(indices)
+        if not ids.dtype.is_integer:
+            ids = tf.cast(ids, "int64")
+        # One gather per shard, on its own ps task ("div" layout, as TF shards).
+        return tf.compat.v1.nn.embedding_lookup(sharded.variables, ids,
+                                                partition_strategy="div")
+
+    take._kfit_ps_stock = stock
+    return take
+
+
+def _array(stock):
+    def __array__(self, dtype=None, *args, **kwargs):
+        sharded = sharded_storage(self)
+        if sharded is None:
+            return stock(self, dtype, *args, **kwargs)
+        value = tf.convert_to_tensor(sharded).numpy()  # Concatenated on the coordinator.
+        return value if dtype is None else value.astype(dtype)
+
+    __array__._kfit_ps_stock = stock
+    return __array__
+
+
+def _serialize_to_tensors(stock):
+    def serialize(self):
+        sharded = sharded_storage(self)
+        if sharded is None:
+            return stock(self)
+        # The whole value: a checkpoint does not depend on the shard count.
+        return {"VARIABLE_VALUE": tf.convert_to_tensor(sharded)}
+
+    serialize._kfit_ps_stock = stock
+    return serialize
+
+
+def _restore_from_tensors(stock):
+    def restore(self, restored_tensors):
+        sharded = sharded_storage(self)
+        if sharded is None:
+            return stock(self, restored_tensors)
+        return sharded.assign(restored_tensors["VARIABLE_VALUE"])  # Split across shards.
+
+    restore._kfit_ps_stock = stock
+    return restore
+
+
+def install_sharding_support():
+    """Installs the three changes above once per process (idempotent, thread-safe)."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        check_versions()
+        patches = [
+            (_tf_core.Variable, "_initialize_with_initializer", _initialize_with_initializer),
+            (_tf_optimizer.TFOptimizer, "add_variable_from_reference",
+             _add_variable_from_reference),
+            (_tf_numpy, "take", _take),
+            (_tf_core.Variable, "__array__", _array),
+            (_tf_core.Variable, "_serialize_to_tensors", _serialize_to_tensors),
+            (_tf_core.Variable, "_restore_from_tensors", _restore_from_tensors),
+        ]
+        for owner, name, wrap in patches:
+            current = getattr(owner, name)
+            if not hasattr(current, "_kfit_ps_stock"):
+                setattr(owner, name, wrap(current))
+        _installed = True

@@ -1,0 +1,226 @@
+"""Sharded Keras variables: placement, lookups on shards, sparse updates, checkpoints."""
+
+import collections
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kfit_ps
+from tests import helpers
+
+P = kfit_ps.partitioners
+
+
+@pytest.fixture(scope="module")
+def sharded(cluster):
+    """A strategy on the session cluster (2 workers, 2 ps) that shards into 2 along axis 0."""
+    return kfit_ps.ParameterServerStrategy(
+        cluster.cluster_resolver,
+        variable_partitioner=P.MinSizePartitioner(min_shard_bytes=256 << 10, max_shards=2))
+
+
+@pytest.fixture(scope="module")
+def fixed(cluster):
+    return lambda n: kfit_ps.ParameterServerStrategy(
+        cluster.cluster_resolver, variable_partitioner=P.FixedShardsPartitioner(n))
+
+
+def placement(variable):
+    return [(s.device.split("/task:")[1][0], tuple(s.shape)) for s in kfit_ps.shards(variable)]
+
+
+def test_min_size_partitioner_gives_two_shards_on_two_ps(sharded):
+    with sharded.scope():
+        layer = keras.layers.Embedding(1024, 1024)
+        layer.build((None,))
+        small = keras.layers.Dense(4)
+        small.build((None, 8))
+    assert placement(layer.embeddings) == [("0", (512, 1024)), ("1", (512, 1024))]
+    assert len(kfit_ps.shards(small.kernel)) == 1  # 128 bytes: one shard
+    assert layer.embeddings.shape == (1024, 1024)
+
+
+def test_div_layout_rank0_and_colocated_variables(fixed):
+    strategy = fixed(5)
+    with strategy.scope():
+        table = keras.Variable(np.arange(13 * 2, dtype="float32").reshape(13, 2))
+        scalar = keras.Variable(1.0)
+        with strategy.extended.colocate_vars_with(kfit_ps.shards(table)[0]):
+            colocated = tf.Variable(tf.zeros((13, 2)))
+    assert [s.shape[0] for s in kfit_ps.shards(table)] == [3, 3, 3, 2, 2]
+    np.testing.assert_array_equal(table.numpy(), np.arange(26).reshape(13, 2))
+    assert len(kfit_ps.shards(scalar)) == 1
+    assert len(kfit_ps.shards(colocated)) == 1
+
+
+def test_partitioner_rules_are_errors(cluster):
+    strategy = kfit_ps.ParameterServerStrategy(
+        cluster.cluster_resolver, variable_partitioner=lambda shape, dtype: [2, 2])
+    with strategy.scope(), pytest.raises(ValueError, match="elements are 1"):
+        keras.Variable(np.zeros((4, 4), "float32"))
+
+
+def test_shards_are_initialised_one_at_a_time(sharded):
+    shapes = []
+
+    class Recording(keras.initializers.Initializer):
+        def __call__(self, shape, dtype=None):
+            shapes.append(tuple(shape))
+            return tf.ones(shape, dtype)
+
+    with sharded.scope():
+        layer = keras.layers.Embedding(1024, 1024, embeddings_initializer=Recording())
+        layer.build((None,))
+    assert shapes == [(512, 1024), (512, 1024)]  # never the whole (1024, 1024) table
+    assert float(layer.embeddings.numpy().sum()) == 1024 * 1024
+
+
+def embedding_model(strategy, make_optimizer, rows=1024, dim=1024):
+    with strategy.scope():  # The optimizer too: its `iterations` must live on a ps.
+        ids = keras.Input((), dtype="int64")
+        table = keras.layers.Embedding(rows, dim, name="table")
+        model = keras.Model(ids, keras.layers.Dense(1)(table(ids)))
+        model.compile(make_optimizer(), "mse")
+    return model
+
+
+def clicks_fn(rows=1024):
+    def dataset_fn(input_context):
+        # 128 distinct ids spread over the whole table (so over every shard).
+        ids = 8 * tf.random.stateless_uniform((4096,), (1, 2), maxval=rows // 8, dtype=tf.int64)
+        return tf.data.Dataset.from_tensor_slices(
+            (ids, tf.cast(ids // 8 % 7, tf.float32)[:, None] / 7.0)).repeat().batch(64)
+
+    return kfit_ps.DatasetCreator(dataset_fn)
+
+
+def test_sharded_embedding_with_adam_trains_and_gathers_rows(sharded):
+    model = embedding_model(sharded, lambda: keras.optimizers.Adam(0.01))
+    history = model.fit(clicks_fn(), epochs=4, steps_per_epoch=40, verbose=0)
+    losses = history.history["loss"]
+    assert losses[-1] < 0.5 * losses[0]
+    assert int(model.optimizer.iterations.numpy()) == 160
+    table = model.get_layer("table").embeddings
+    for slot in model.optimizer.variables[2:4]:  # Adam's m and v of the table
+        assert placement(slot) == placement(table)  # sharded alike, shard i with shard i
+
+    # The traced train step: one gather and scatters per shard, no table concatenation.
+    step = model.train_function._train_step()
+    graph = tf.function(lambda x, y: sharded.run(step, args=((x, y),))).get_concrete_function(
+        tf.TensorSpec([64], tf.int64), tf.TensorSpec([64, 1], tf.float32)).graph
+    ops = collections.Counter(op.type for op in graph.get_operations())
+    concats = [op for op in graph.get_operations() if op.type == "ConcatV2"]
+    assert all(all(i.shape.rank <= 1 for i in op.inputs) for op in concats), concats
+    reads = {op.inputs[0].name for op in graph.get_operations() if op.type == "ResourceGather"}
+    assert len(reads) >= 6  # table, m and v: each of the 2 shards gathered separately
+    assert ops["ResourceScatterUpdate"] == 4 and ops["ResourceScatterSub"] == 2
+    assert "ReadVariableOp" not in {op.type for op in graph.get_operations()
+                                    if any(i.shape == (512, 1024) for i in op.outputs)}
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda: keras.optimizers.SGD(0.1),
+    lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True),
+    lambda: keras.optimizers.Adagrad(0.1),
+    lambda: keras.optimizers.Adam(0.01),
+    lambda: keras.optimizers.Adam(0.01, amsgrad=True),
+    lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+    lambda: keras.optimizers.RMSprop(0.01),  # dense fallback: Keras' own update_step
+], ids=["sgd", "momentum", "nesterov", "adagrad", "adam", "amsgrad", "adamw", "rmsprop"])
+def test_sharded_updates_equal_the_dense_formula_on_touched_rows(fixed, make_optimizer):
+    """Sparse, per-shard updates vs Keras' dense update of the same model written as a
+    one-hot matmul (a dense gradient, duplicates summed). The same rows are touched every
+    step, so lazy and dense agree there; untouched rows must not move at all."""
+    ids = np.array([1, 1, 5, 9, 12, 5], dtype="int64")  # duplicates, rows on all 3 shards
+    touched = np.unique(ids)
+    y = np.linspace(-1, 1, 6, dtype="float32")[:, None]
+    data = tf.data.Dataset.from_tensors((ids, y)).repeat()
+
+    with fixed(3).scope():
+        inputs = keras.Input((), dtype="int64")
+        table = keras.layers.Embedding(13, 3, embeddings_initializer="ones", name="table")
+        head = keras.layers.Dense(1, kernel_initializer="ones")
+        model = keras.Model(inputs, head(table(inputs)))
+        model.compile(make_optimizer(), "mse")
+    assert len(kfit_ps.shards(table.embeddings)) == 3
+    inputs = keras.Input((), dtype="int64")
+    one_hot = keras.layers.Lambda(lambda i: tf.one_hot(i, 13), output_shape=(13,))(inputs)
+    dense_table = keras.layers.Dense(3, use_bias=False, kernel_initializer="ones")
+    reference = keras.Model(inputs, keras.layers.Dense(1, kernel_initializer="ones")(
+        dense_table(one_hot)))
+    reference.compile(make_optimizer(), "mse")
+
+    # One step per epoch: each epoch ends with a join, so the steps run in sequence.
+    model.fit(data, epochs=3, steps_per_epoch=1, verbose=0)
+    reference.fit(data, epochs=3, steps_per_epoch=1, verbose=0)
+    ours, theirs = model.get_weights(), reference.get_weights()
+    np.testing.assert_allclose(ours[0][touched], theirs[0][touched], rtol=2e-5, atol=1e-6)
+    untouched = np.setdiff1d(np.arange(13), touched)
+    np.testing.assert_array_equal(ours[0][untouched], np.ones((len(untouched), 3)))
+    for a, b in zip(ours[1:], theirs[1:]):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+    for a, b in zip(model.optimizer.variables, reference.optimizer.variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=2e-5, atol=1e-6)
+
+
+def test_checkpoint_with_two_shards_restores_into_three(fixed, tmp_path):
+    model = embedding_model(fixed(2), lambda: keras.optimizers.Adam(0.01), rows=1024, dim=16)
+    model.fit(clicks_fn(), epochs=1, steps_per_epoch=10, verbose=0)
+    weights = model.get_weights()
+    slots = [v.numpy() for v in model.optimizer.variables]
+    path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
+        str(tmp_path / "ckpt"))
+    model.save_weights(str(tmp_path / "m.weights.h5"))
+
+    three = fixed(3)
+    for how in ("checkpoint, slots created after restore", "keras load_weights"):
+        restored = embedding_model(three, lambda: keras.optimizers.Adam(0.01), rows=1024, dim=16)
+        assert len(kfit_ps.shards(restored.get_layer("table").embeddings)) == 3
+        if how.startswith("checkpoint"):
+            tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).restore(path)
+            with three.scope():  # The slots only now exist: deferred restoration fills them.
+                restored.optimizer.build(restored.trainable_variables)
+        else:
+            restored.load_weights(str(tmp_path / "m.weights.h5"))  # builds the slots first
+        for a, b in zip(weights, restored.get_weights()):
+            np.testing.assert_array_equal(a, b)
+        assert len(restored.optimizer.variables) == len(slots)
+        for a, v in zip(slots, restored.optimizer.variables):
+            np.testing.assert_array_equal(a, v.numpy())
+        assert len(kfit_ps.shards(restored.optimizer.variables[2])) == 3
+        restored.fit(clicks_fn(), epochs=1, steps_per_epoch=5, verbose=0)
+        assert int(restored.optimizer.iterations.numpy()) == 15
+
+
+def test_saved_keras_model_predicts_identically_without_a_cluster(sharded, tmp_path):
+    model = embedding_model(sharded, lambda: keras.optimizers.Adam(0.01))
+    model.fit(clicks_fn(), epochs=1, steps_per_epoch=10, verbose=0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    ids = np.arange(0, 1024, 37, dtype="int64")  # untrained rows too
+    expected = model.predict(ids, verbose=0)
+    result = helpers.run_chief(f"""
+        import keras, numpy as np
+        m = keras.models.load_model({path!r})
+        report(pred=m.predict(np.arange(0, 1024, 37, dtype="int64"), verbose=0).tolist())
+        """)
+    np.testing.assert_array_equal(np.asarray(result["pred"], "float32"), expected)
+
+
+def test_sharded_model_errors(sharded):
+    class Custom(keras.Model):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    with sharded.scope():
+        inputs = keras.Input((), dtype="int64")
+        model = Custom(inputs, keras.layers.Dense(1)(keras.layers.Embedding(1024, 1024)(inputs)))
+        model.compile("sgd", "mse")
+    with pytest.raises(ValueError, match="overrides `train_step`"):
+        model.fit(clicks_fn(), epochs=1, steps_per_epoch=1, verbose=0)
+    clipped = embedding_model(sharded, lambda: keras.optimizers.SGD(0.1, clipnorm=1.0))
+    with pytest.raises(ValueError, match="clipnorm=1.0"):
+        clipped.fit(clicks_fn(), epochs=1, steps_per_epoch=1, verbose=0)
