@@ -16,7 +16,8 @@ PACKAGE = pathlib.Path(kfit_ps.__file__).parent
 # Which kfit_ps layers each layer may import (DEVELOPERS.md "Layers point one way").
 ALLOWED = {
     "cli": {"cluster", "training", "strategy", "jobs", "constants", "_tf_compat"},
-    "jobs": {"cluster", "training", "strategy", "constants"},
+    "jobs": {"cluster", "training", "strategy", "constants", "data"},
+    "data": set(),
     "training": {"strategy", "_tf_compat", "constants", "training"},
     "cluster": {"constants", "cluster", "_tf_compat"},
     "strategy": {"_tf_compat", "constants", "strategy"},

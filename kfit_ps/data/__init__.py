@@ -1,0 +1,1 @@
+"""Datasets: Criteo-shaped click logs (generator and reader)."""

@@ -1,0 +1,142 @@
+"""Criteo-shaped click logs: a generator with a learnable signal, and a reader.
+
+The Criteo display-advertising logs are the standard workload for sharded
+embeddings: one label, 13 integer features and 26 categorical features per
+line, tab-separated, categorical values as 8-hex-digit hashes, any field
+possibly empty. `generate()` writes files in exactly that layout:
+
+- per-feature cardinalities shaped like Criteo's (`CRITEO_CARDINALITIES`, the
+  Kaggle dataset's), multiplied by `scale`;
+- Zipf-distributed ids (a few very frequent values, a long tail), as real
+  click logs have;
+- integer features drawn as counts, with missing values;
+- a learnable signal: the click probability is a logistic function of a
+  hidden weight per categorical value plus the log-counts.
+
+`dataset()` reads such files, generated or real (`train.txt` of the Kaggle
+release, split into parts), and hashes each categorical value into
+`buckets` rows, so table sizes are chosen by the model, not by the data.
+
+```python
+spec = CriteoSpec(scale=1e-3)
+paths = generate("/tmp/criteo", rows=100_000, spec=spec)
+data = dataset(paths, batch_size=512, spec=spec)   # ({"dense", "C1".."C26"}, label)
+```
+"""
+
+import dataclasses
+import os
+
+import numpy as np
+
+NUM_DENSE = 13
+NUM_CATEGORICAL = 26
+CATEGORICAL = tuple(f"C{i + 1}" for i in range(NUM_CATEGORICAL))
+
+# Distinct values per categorical feature in the Criteo Kaggle dataset.
+CRITEO_CARDINALITIES = (
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27,
+    14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572)
+
+
+@dataclasses.dataclass(frozen=True)
+class CriteoSpec:
+    """Table sizes of a Criteo-shaped dataset: Criteo's cardinalities x `scale`.
+
+    Args:
+        scale: factor on every cardinality (at least 2 values per feature).
+            Defaults to 1e-3 (the largest table has about 10K rows).
+        buckets: rows of each feature's table in the reader (hash buckets).
+            Defaults to the scaled cardinality.
+    """
+
+    scale: float = 1e-3
+    buckets: tuple = None
+
+    def __post_init__(self):
+        if not isinstance(self.scale, (int, float)) or not 0 < self.scale <= 1:
+            raise ValueError(f"CriteoSpec: `scale` must be in (0, 1]. Received: "
+                             f"scale={self.scale!r}.")
+        if self.buckets is None:
+            object.__setattr__(self, "buckets", self.cardinalities)
+        elif len(self.buckets) != NUM_CATEGORICAL or min(self.buckets) < 1:
+            raise ValueError(f"CriteoSpec: `buckets` must be {NUM_CATEGORICAL} positive "
+                             f"integers. Received: buckets={self.buckets!r}.")
+
+    @property
+    def cardinalities(self):
+        return tuple(max(2, int(round(c * self.scale))) for c in CRITEO_CARDINALITIES)
+
+
+def _hidden_weight(feature, ids):
+    """The click signal carried by value `ids` of categorical `feature` (deterministic)."""
+    return np.sin(ids * 0.618034 + feature * 1.7) * (1.0 + 0.5 * np.cos(ids * 0.1 + feature))
+
+
+def generate(directory, rows, spec=CriteoSpec(), files=1, seed=0, zipf_a=1.2,
+             missing=0.03):
+    """Writes `rows` lines of Criteo-layout TSV into `files` files; returns their paths."""
+    if rows < 1 or files < 1:
+        raise ValueError(f"generate: `rows` and `files` must be >= 1. Received: rows={rows!r}, "
+                         f"files={files!r}.")
+    os.makedirs(directory, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    cardinalities = np.array(spec.cardinalities)
+    ids = np.empty((rows, NUM_CATEGORICAL), dtype=np.int64)
+    logit = np.full(rows, -1.0)
+    for j, cardinality in enumerate(cardinalities):
+        ids[:, j] = (rng.zipf(zipf_a, rows) - 1) % cardinality
+        logit += 4.0 * _hidden_weight(j, ids[:, j]) / np.sqrt(NUM_CATEGORICAL)
+    counts = rng.poisson(rng.gamma(1.0, 3.0, (rows, NUM_DENSE))).astype(np.int64)
+    logit += 0.15 * (np.log1p(counts[:, 0]) - np.log1p(counts[:, 1]))
+    labels = (rng.random(rows) < 1 / (1 + np.exp(-logit))).astype(np.int64)
+    hashed = (ids * 2654435761 + np.arange(NUM_CATEGORICAL) * 40503) % (1 << 32)
+    dense_text = counts.astype(str)
+    dense_text[rng.random(counts.shape) < missing] = ""
+    cat_text = np.char.mod("%08x", hashed)
+    cat_text[rng.random(ids.shape) < missing] = ""
+    table = np.concatenate([labels[:, None].astype(str), dense_text, cat_text], axis=1)
+    paths = []
+    for index, part in enumerate(np.array_split(table, files)):
+        path = os.path.join(directory, f"part-{index:05d}.tsv")
+        with open(path, "w") as f:
+            f.write("\n".join("\t".join(row) for row in part))
+            f.write("\n")
+        paths.append(path)
+    return paths
+
+
+def parse_lines(lines, spec=CriteoSpec()):
+    """Parses a batch of Criteo TSV lines into (features, label) tensors."""
+    import tensorflow as tf
+
+    defaults = [[0.0]] + [[0.0]] * NUM_DENSE + [[""]] * NUM_CATEGORICAL
+    fields = tf.io.decode_csv(lines, record_defaults=defaults, field_delim="\t",
+                              use_quote_delim=False)
+    dense = tf.stack(fields[1:1 + NUM_DENSE], axis=1)
+    features = {"dense": tf.math.log1p(tf.maximum(dense, 0.0))}
+    for j, name in enumerate(CATEGORICAL):
+        features[name] = tf.strings.to_hash_bucket_fast(fields[1 + NUM_DENSE + j],
+                                                        spec.buckets[j])
+    return features, tf.expand_dims(fields[0], 1)
+
+
+def dataset(paths, batch_size, spec=CriteoSpec(), shuffle=True, repeat=True, seed=None):
+    """A `tf.data.Dataset` of (features, label) batches from Criteo-layout files.
+
+    `features` is `{"dense": float32 [B, 13] (log1p of counts), "C1".."C26":
+    int64 [B] (hash bucket)}`; `label` is float32 [B, 1].
+    """
+    import tensorflow as tf
+
+    files = tf.data.Dataset.from_tensor_slices(list(paths))
+    if shuffle:
+        files = files.shuffle(len(paths), seed=seed)
+    lines = files.interleave(tf.data.TextLineDataset, cycle_length=max(1, min(4, len(paths))))
+    if shuffle:
+        lines = lines.shuffle(16 * batch_size, seed=seed)
+    if repeat:
+        lines = lines.repeat()
+    return lines.batch(batch_size).map(
+        lambda batch: parse_lines(batch, spec),
+        num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
