@@ -4,7 +4,9 @@ A sharded variable's gradient is taken with respect to its shards: for an
 embedding lookup, each shard's gradient is an `IndexedSlices` of the rows the
 batch touched. The update then reads and writes only those rows of the shard
 and of its optimizer slots (which are sharded the same way, on the same ps
-tasks), with one gather and one scatter per shard, run by that shard's ps:
+tasks). Duplicate ids are summed on the worker, so each unique row's gradient
+is sent once; the update itself runs on the shard's ps task (gathers, the
+formula, scatters), so no table or slot row leaves the ps:
 
 - `SGD` (with or without momentum, Nesterov): Keras' formulas on the rows;
 - `Adagrad`: Keras' formula on the rows;
@@ -110,22 +112,26 @@ class ShardedGradientStep:
         for j, (shard, grad) in enumerate(zip(group, grads)):
             if grad is None:
                 continue
-            ids, g = _unique_rows(grad, shard.shape[0])
-            g = tf.cast(g, shard.dtype)
-            lr = tf.cast(learning_rate, shard.dtype)
-            local = {name: shards_[j] for name, shards_ in slot_shards.items()}
-            if optimizer.weight_decay:  # Keras decays before the update; here touched rows.
-                decay = tf.cast(optimizer.weight_decay, shard.dtype) * lr
-                _scatter(shard, ids, tf.gather(shard, ids) * decay, "scatter_sub")
-            if isinstance(optimizer, keras.optimizers.Adam):
-                self._adam(shard, local, ids, g, lr, tf.cast(step, shard.dtype))
-            elif isinstance(optimizer, keras.optimizers.Adagrad):
-                acc = local["accumulator"]
-                rows = tf.gather(acc, ids) + tf.square(g)
-                _scatter(acc, ids, rows, "scatter_update")
-                _scatter(shard, ids, lr * g / tf.sqrt(rows + optimizer.epsilon), "scatter_sub")
-            else:  # SGD
-                self._sgd(shard, local, ids, g, lr)
+            ids, g = _unique_rows(grad, shard.shape[0])  # On the worker: U rows leave it.
+            with tf.device(shard.device):  # The ps updates its rows and slots in place.
+                self._apply_shard(optimizer, shard, ids, g, slot_shards, j, learning_rate, step)
+
+    def _apply_shard(self, optimizer, shard, ids, g, slot_shards, j, learning_rate, step):
+        g = tf.cast(g, shard.dtype)
+        lr = tf.cast(learning_rate, shard.dtype)
+        local = {name: shards_[j] for name, shards_ in slot_shards.items()}
+        if optimizer.weight_decay:  # Keras decays before the update; here touched rows.
+            decay = tf.cast(optimizer.weight_decay, shard.dtype) * lr
+            _scatter(shard, ids, tf.gather(shard, ids) * decay, "scatter_sub")
+        if isinstance(optimizer, keras.optimizers.Adam):
+            self._adam(shard, local, ids, g, lr, tf.cast(step, shard.dtype))
+        elif isinstance(optimizer, keras.optimizers.Adagrad):
+            acc = local["accumulator"]
+            rows = tf.gather(acc, ids) + tf.square(g)
+            _scatter(acc, ids, rows, "scatter_update")
+            _scatter(shard, ids, lr * g / tf.sqrt(rows + optimizer.epsilon), "scatter_sub")
+        else:  # SGD
+            self._sgd(shard, local, ids, g, lr)
 
     def _sgd(self, shard, slots, ids, g, lr):
         optimizer = self.optimizer
