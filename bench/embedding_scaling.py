@@ -119,8 +119,9 @@ def child_speed(args, contender, rows):
         model.fit(data, epochs=1, steps_per_epoch=args.steps, verbose=0)
         seconds = time.perf_counter() - start
         after = loopback_bytes()
-        dense_params = sum(int(np.prod(v.shape)) for v in model.trainable_variables
-                           if len(v.shape) != 2 or v.shape[0] != rows)
+        # Everything but the table (tf_keras lists the table's shards separately).
+        dense_params = sum(int(np.prod(v.shape)) for v in model.trainable_variables) - \
+            rows * args.dim
         iterations = int(model.optimizer.iterations.numpy())
     ids, _ = batches(rows, args)
     per_batch = ids[: (len(ids) // args.batch_size) * args.batch_size].reshape(
@@ -227,9 +228,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.child:
         return run_child(args)
-    passed = [a for a in (argv if argv is not None else sys.argv[1:])
-              if not a.startswith("--json")]
-    passed = [a for i, a in enumerate(passed) if i == 0 or passed[i - 1] != "--json"]
+    given = list(argv if argv is not None else sys.argv[1:])
+    passed = [a for i, a in enumerate(given)  # the children get every flag but --json
+              if not a.startswith("--json") and (i == 0 or given[i - 1] != "--json")]
 
     small = measure(f"kfit_ps:{args.small_rows}", passed)
     large = measure(f"kfit_ps:{args.large_rows}", passed)

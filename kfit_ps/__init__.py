@@ -30,7 +30,7 @@ from kfit_ps.cluster.local import LocalCluster  # noqa: E402
 from kfit_ps.cluster.spec import ClusterConfig  # noqa: E402
 from kfit_ps.strategy import ParameterServerStrategy, shards  # noqa: E402
 from kfit_ps import partitioners  # noqa: E402
-from kfit_ps.training import DatasetCreator, SidecarEvaluator  # noqa: E402
+from kfit_ps.training import DatasetCreator, SidecarEvaluator, export_saved_model  # noqa: E402
 from kfit_ps import callbacks  # noqa: E402
 
 __version__ = "0.1.0"
@@ -45,6 +45,7 @@ __all__ = [
     "SidecarEvaluator",
     "__version__",
     "callbacks",
+    "export_saved_model",
     "partitioners",
     "shards",
 ]

@@ -31,7 +31,7 @@ ALLOWED = {
 def test_all_is_the_public_api():
     assert sorted(kfit_ps.__all__) == sorted([
         "ClusterConfig", "DatasetCreator", "LocalCluster", "ParameterServerStrategy",
-        "SidecarEvaluator", "__version__", "callbacks", "partitioners", "shards"])
+        "SidecarEvaluator", "__version__", "callbacks", "export_saved_model", "partitioners", "shards"])
     assert sorted(kfit_ps.callbacks.__all__) == [
         "BackupAndRestore", "ModelCheckpoint", "SyncCallback", "TensorBoard"]
     for name in kfit_ps.__all__:

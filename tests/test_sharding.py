@@ -224,3 +224,21 @@ def test_sharded_model_errors(sharded):
     clipped = embedding_model(sharded, lambda: keras.optimizers.SGD(0.1, clipnorm=1.0))
     with pytest.raises(ValueError, match="clipnorm=1.0"):
         clipped.fit(clicks_fn(), epochs=1, steps_per_epoch=1, verbose=0)
+
+
+def test_saved_model_export_has_whole_tables_and_serves_without_a_cluster(sharded, tmp_path):
+    model = embedding_model(sharded, lambda: keras.optimizers.Adam(0.01))
+    model.fit(clicks_fn(), epochs=1, steps_per_epoch=10, verbose=0)
+    path = kfit_ps.export_saved_model(model, str(tmp_path / "export" / "1"))
+    ids = np.arange(0, 1024, 37, dtype="int64")
+    expected = model.predict(ids, verbose=0)
+    result = helpers.run_chief(f"""
+        served = tf.saved_model.load({path!r})
+        shapes = sorted(tuple(v.shape) for v in served.variables)
+        report(pred=served.serve(tf.constant({ids.tolist()!r}, tf.int64)).numpy().tolist(),
+               shapes=[list(s) for s in shapes])
+        """)
+    np.testing.assert_allclose(np.asarray(result["pred"], "float32"), expected, rtol=1e-6)
+    assert [1024, 1024] in result["shapes"]  # the table whole, not in shards
+    with pytest.raises(ValueError, match="already exists"):
+        kfit_ps.export_saved_model(model, path)

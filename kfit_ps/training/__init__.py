@@ -3,6 +3,7 @@
 from kfit_ps import _tf_compat
 from kfit_ps.training import loop
 from kfit_ps.training.dataset_creator import DatasetCreator
+from kfit_ps.training.export import export_saved_model
 from kfit_ps.training.sidecar_evaluator import Evaluation, SidecarEvaluator
 
 
@@ -32,4 +33,4 @@ def install():
     _tf_compat.install_load_weights_hook("kfit_ps", _handles, _build_optimizer_before_load)
 
 
-__all__ = ["DatasetCreator", "Evaluation", "SidecarEvaluator", "install"]
+__all__ = ["DatasetCreator", "Evaluation", "SidecarEvaluator", "export_saved_model", "install"]
