@@ -38,13 +38,15 @@ BASE_IDS = 20_000
 
 
 def batches(rows, args, seed=0):
-    """Numpy (ids [N, F], labels [N, 1]): Zipf over BASE_IDS base ids, strided over `rows`."""
+    """Numpy (ids [N, F], labels [N, 1]): Zipf over BASE_IDS (at most `--small-rows`) base
+    ids, spread over `rows` with a stride."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     n = 64 * args.batch_size
-    base = (rng.zipf(1.1, (n, args.ids_per_example)) - 1) % BASE_IDS
-    ids = base * max(1, rows // BASE_IDS)
+    base_ids = min(BASE_IDS, args.small_rows)  # the same base ids for both table sizes
+    base = (rng.zipf(1.1, (n, args.ids_per_example)) - 1) % base_ids
+    ids = base * max(1, rows // base_ids)
     labels = (np.sin(base[:, 0] * 0.618) > 0).astype("float32")[:, None]
     return ids.astype("int64"), labels
 

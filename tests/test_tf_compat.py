@@ -108,3 +108,33 @@ def test_local_state_scope_keeps_only_the_mapped_variables_local():
     assert float(kept.numpy()) == 7.0 and int(counter.numpy()) == 1
     assert int(n_losses) == 1
     assert _tf_compat.metric_scope.writes_through(kept)
+
+
+def test_private_apis_of_the_sharding_support_still_exist():
+    from keras.src.backend.tensorflow import numpy as keras_tf_numpy
+    from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
+    from tensorflow.python.distribute.sharded_variable import ShardedVariable
+
+    from kfit_ps._tf_compat import keras_sharding
+
+    assert hasattr(ShardedVariable, "variables")
+    for name in ("_initialize_with_initializer", "_map_aggregation", "_map_synchronization",
+                 "_serialize_to_tensors", "_restore_from_tensors", "__array__"):
+        assert hasattr(keras_tf_core.Variable, name), name
+    assert hasattr(keras_tf_optimizer.TFOptimizer, "add_variable_from_reference")
+    assert callable(keras_tf_numpy.take)
+    variables = [keras.Variable(tf.zeros((3, 2)))]
+    for optimizer, slots in [(keras.optimizers.Adam(amsgrad=True), {"m", "v", "v_hat"}),
+                             (keras.optimizers.Adagrad(), {"accumulator"}),
+                             (keras.optimizers.SGD(momentum=0.5), {"momentum"}),
+                             (keras.optimizers.SGD(), set()),
+                             (keras.optimizers.RMSprop(), None)]:
+        optimizer.build(variables)
+        found = _tf_compat.optimizer_slots(optimizer, variables[0])
+        assert (None if found is None else set(found)) == slots
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(loss="mse")
+    for name in ("_compute_loss", "_loss_tracker", "_call_has_training_arg"):
+        assert hasattr(model, name), name
+    assert _tf_compat.has_stock_train_step(model)
+    assert keras_sharding.variable_partitioner(tf.distribute.get_strategy()) is None
