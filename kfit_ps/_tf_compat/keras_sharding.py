@@ -28,7 +28,10 @@ a kfit_ps scope only:
    per shard, on that shard's ps task, so only the touched rows travel.
 
 Gradients with respect to a sharded variable are taken with respect to its
-shards (`shards(variable)`); see `kfit_ps.training.sharded_updates`.
+shards (`shards(variable)`); see `kfit_ps.training.sharded_updates`. For
+optimizers without a sparse path there, the Keras optimizer's own `apply`
+updates the whole sharded variable: its per-variable update skips
+`extended.update` (which needs a single device) for sharded variables.
 """
 
 import functools
@@ -191,6 +194,22 @@ def _restore_from_tensors(stock):
     return restore
 
 
+def _distributed_update_step(stock):
+    def update(self, distribution, grads_and_vars, learning_rate):
+        plain = []
+        for grad, var in list(grads_and_vars):
+            if sharded_storage(var) is not None:
+                # `extended.update` needs one device per variable; a sharded variable's
+                # dense update reads and writes every shard through its storage instead.
+                self.update_step(grad, var, learning_rate)
+            else:
+                plain.append((grad, var))
+        return stock(self, distribution, plain, learning_rate)
+
+    update._kfit_ps_stock = stock
+    return update
+
+
 def install_sharding_support():
     """Installs the three changes above once per process (idempotent, thread-safe)."""
     global _installed
@@ -204,6 +223,7 @@ def install_sharding_support():
              _add_variable_from_reference),
             (_tf_numpy, "take", _take),
             (_tf_core.Variable, "__array__", _array),
+            (_tf_optimizer.TFOptimizer, "_distributed_tf_update_step", _distributed_update_step),
             (_tf_core.Variable, "_serialize_to_tensors", _serialize_to_tensors),
             (_tf_core.Variable, "_restore_from_tensors", _restore_from_tensors),
         ]

@@ -17,9 +17,11 @@ formula, scatters), so no table or slot row leaves the ps:
 Weight decay (`weight_decay=`, AdamW's default) is applied to the touched
 rows only, before the update, as Keras applies it to whole variables.
 
-Other Keras optimizers work with sharded variables through Keras' own dense
-`update_step` (every row and slot is read and written each step: correct,
-not sparse). Dense (unsharded) variables always take Keras' own
+Other Keras optimizers get the sharded variable's whole gradient in Keras'
+own `optimizer.apply`, with the dense variables, so their per-step state
+(Nadam's momentum schedule, ScheduleFree's averages, ...) advances as Keras
+does it; every row and slot is then read and written each step: correct,
+not sparse. Dense (unsharded) variables always take Keras' own
 `optimizer.apply`, which also increments `iterations` once per step.
 
 Options that need every gradient at once (`clipnorm`, `clipvalue`,
@@ -88,6 +90,12 @@ class ShardedGradientStep:
             if _tf_compat.sharded_storage(variable) is None:
                 dense_vars.append(variable)
                 dense_grads.append(grads[0])
+            elif _tf_compat.optimizer_slots(self.optimizer, variable) is None:
+                # No sparse path for this optimizer: Keras' own apply, dense, in step order.
+                dense_vars.append(variable)
+                dense_grads.append(tf.concat(
+                    [tf.convert_to_tensor(g) if g is not None else tf.zeros(s.shape, s.dtype)
+                     for g, s in zip(grads, group)], axis=0))
             elif any(g is not None for g in grads):
                 sharded.append((variable, group, grads))
         optimizer = self.optimizer
@@ -103,11 +111,6 @@ class ShardedGradientStep:
     def _apply_sharded(self, variable, group, grads, learning_rate, step):
         optimizer = self.optimizer
         slots = _tf_compat.optimizer_slots(optimizer, variable)
-        if slots is None:  # Keras' own dense update on the whole (sharded) variable.
-            full = tf.concat([tf.convert_to_tensor(g) if g is not None else tf.zeros_like(s)
-                              for g, s in zip(grads, group)], axis=0)
-            optimizer.update_step(full, variable, tf.cast(learning_rate, variable.dtype))
-            return
         slot_shards = {name: _tf_compat.shards(slot) for name, slot in slots.items()}
         for j, (shard, grad) in enumerate(zip(group, grads)):
             if grad is None:
