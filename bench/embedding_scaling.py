@@ -25,15 +25,15 @@ Four measurements, each in fresh chief processes with their own LocalCluster
 import argparse
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
 
+import child_process
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-RESULT = "EMBEDDING_SCALING_RESULT "
 BASE_IDS = 20_000
 
 
@@ -199,17 +199,11 @@ def run_child(args):
     else:
         contender, rows = args.child.split(":")
         result = child_speed(args, contender, int(rows))
-    print(RESULT + json.dumps(result), flush=True)
+    child_process.report(result)
 
 
 def measure(child, argv):
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--child", child],
-                          capture_output=True, text=True, timeout=3600)
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT):
-            return json.loads(line[len(RESULT):])
-    raise RuntimeError(f"{child} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n"
-                       f"{proc.stderr[-4000:]}")
+    return child_process.measure(os.path.abspath(__file__), child, argv, timeout=3600)
 
 
 def main(argv=None):

@@ -17,15 +17,15 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+import child_process
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 CONTENDERS = ("kfit_ps", "tf_keras")
-RESULT = "FIT_OVERHEAD_RESULT "
 
 
 def dataset_fn_for(features, batch_size):
@@ -94,17 +94,11 @@ def run_child(args):
         rate = timed_fit(model, data, args.epochs, args.steps)
         iterations = int(model.optimizer.iterations.numpy())
         del model, data
-    print(RESULT + json.dumps({"steps_per_s": rate, "iterations": iterations}), flush=True)
+    child_process.report({"steps_per_s": rate, "iterations": iterations})
 
 
-def measure(name, argv):
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--child", name],
-                          capture_output=True, text=True, timeout=1800)
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT):
-            return json.loads(line[len(RESULT):])
-    raise RuntimeError(f"{name} measurement failed (exit {proc.returncode}):\n"
-                       f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+def measure(child, argv):
+    return child_process.measure(os.path.abspath(__file__), child, argv, timeout=1800)
 
 
 def main(argv=None):

@@ -1,0 +1,30 @@
+"""Runs one benchmark measurement in a fresh Python process and reads its result back.
+
+Each measurement of the scripts in `bench/` runs in its own process (its own
+chief, its own LocalCluster), so no two contenders share a coordinator or
+TensorFlow state. The child prints one line, `MARKER <json>`; `measure`
+finds it. Used by the scripts as `from child_process import measure, report`
+(they run with `bench/` as their directory).
+"""
+
+import json
+import subprocess
+import sys
+
+MARKER = "KFIT_PS_BENCH_RESULT "
+
+
+def report(result):
+    """In the child: hands `result` (JSON-serialisable) to the parent."""
+    print(MARKER + json.dumps(result), flush=True)
+
+
+def measure(script, child, argv, timeout=3600):
+    """Runs `script argv --child child` and returns the result it reported."""
+    proc = subprocess.run([sys.executable, script, *argv, "--child", child],
+                          capture_output=True, text=True, timeout=timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith(MARKER):
+            return json.loads(line[len(MARKER):])
+    raise RuntimeError(f"{child} measurement failed (exit {proc.returncode}):\n"
+                       f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
