@@ -111,6 +111,11 @@ def _colocated_shards_creator(reference, next_creator, **kwargs):
     """Creates a variable sharded like `reference`, shard i next to its shard i."""
     initial_value = kwargs["initial_value"]
     name = kwargs.get("name") or "slot"
+
+    @functools.lru_cache(maxsize=1)
+    def whole():  # Only for a value that cannot be made per shard; built once.
+        return tf.convert_to_tensor(initial_value() if callable(initial_value) else initial_value)
+
     parts, offset = [], 0
     for i, ref in enumerate(reference.variables):
         shape = tuple(ref.shape)
@@ -118,10 +123,8 @@ def _colocated_shards_creator(reference, next_creator, **kwargs):
             value = functools.partial(initial_value, partition_shape=shape,
                                       partition_offset=(offset,) + (0,) * (len(shape) - 1))
         else:
-            value = functools.partial(
-                lambda start, stop: tf.convert_to_tensor(
-                    initial_value() if callable(initial_value) else initial_value)[start:stop],
-                offset, offset + shape[0])
+            value = functools.partial(lambda start, stop: whole()[start:stop],
+                                      offset, offset + shape[0])
         # `colocate_with` is how the strategy's creator learns to place (and not shard) it.
         parts.append(next_creator(**dict(kwargs, initial_value=value, shape=shape,
                                          name=f"{name}/part_{i}", colocate_with=ref)))

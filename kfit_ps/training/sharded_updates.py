@@ -90,27 +90,26 @@ class ShardedGradientStep:
             if _tf_compat.sharded_storage(variable) is None:
                 dense_vars.append(variable)
                 dense_grads.append(grads[0])
-            elif _tf_compat.optimizer_slots(self.optimizer, variable) is None:
+            elif (slots := _tf_compat.optimizer_slots(self.optimizer, variable)) is None:
                 # No sparse path for this optimizer: Keras' own apply, dense, in step order.
                 dense_vars.append(variable)
                 dense_grads.append(tf.concat(
                     [tf.convert_to_tensor(g) if g is not None else tf.zeros(s.shape, s.dtype)
                      for g, s in zip(grads, group)], axis=0))
             elif any(g is not None for g in grads):
-                sharded.append((variable, group, grads))
+                sharded.append((slots, group, grads))
         optimizer = self.optimizer
         learning_rate = tf.convert_to_tensor(optimizer.learning_rate)  # at this step
         step = tf.cast(optimizer.iterations, tf.float32) + 1.0
-        for variable, group, grads in sharded:
-            self._apply_sharded(variable, group, grads, learning_rate, step)
+        for slots, group, grads in sharded:
+            self._apply_sharded(slots, group, grads, learning_rate, step)
         if dense_vars:
             optimizer.apply(dense_grads, dense_vars)
         else:
             optimizer.iterations.assign_add(1)
 
-    def _apply_sharded(self, variable, group, grads, learning_rate, step):
+    def _apply_sharded(self, slots, group, grads, learning_rate, step):
         optimizer = self.optimizer
-        slots = _tf_compat.optimizer_slots(optimizer, variable)
         slot_shards = {name: _tf_compat.shards(slot) for name, slot in slots.items()}
         for j, (shard, grad) in enumerate(zip(group, grads)):
             if grad is None:

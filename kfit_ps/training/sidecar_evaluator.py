@@ -107,19 +107,18 @@ class SidecarEvaluator:
         self.evaluations = []
         self.best = None
         self._seen = set()
-        self._unsettled = 0
         self._writer = None
 
     # Discovery ---------------------------------------------------------------------------
 
     def _candidates(self):
-        """Complete, not yet evaluated checkpoints as (key, path, step or None), oldest first."""
+        """(complete, not yet evaluated checkpoints as (key, path, step or None), oldest
+        first; how many files may still be being written)."""
         try:
             names = os.listdir(self.checkpoint_dir)
         except FileNotFoundError:
-            return []
-        found = []
-        self._unsettled = 0
+            return [], 0
+        found, unsettled = [], 0
         now = time.time()
         for name in names:
             if not name.endswith(_SUFFIXES) or name.startswith("."):
@@ -140,11 +139,11 @@ class SidecarEvaluator:
                 key = (path, "file", stat.st_mtime_ns, stat.st_size)
                 step = None
             else:
-                self._unsettled += 1  # Possibly still being written.
+                unsettled += 1  # Possibly still being written.
                 continue
             if key not in self._seen:
                 found.append((stat.st_mtime_ns, key, path, step))
-        return [(key, path, step) for _, key, path, step in sorted(found)]
+        return [(key, path, step) for _, key, path, step in sorted(found)], unsettled
 
     # One evaluation ----------------------------------------------------------------------
 
@@ -208,7 +207,8 @@ class SidecarEvaluator:
             while not self._done():
                 finished = checkpoint_files.training_done(self.checkpoint_dir) is not None
                 progressed = False
-                for key, path, step in self._candidates():
+                candidates, unsettled = self._candidates()
+                for key, path, step in candidates:
                     try:
                         evaluation = self._evaluate(path, step)
                     except (OSError, ValueError) as e:
@@ -224,7 +224,7 @@ class SidecarEvaluator:
                 if progressed:
                     last_new = time.monotonic()
                     continue
-                if finished and not self._unsettled:
+                if finished and not unsettled:
                     break  # Training ended before this scan: nothing more will come.
                 if self.idle_timeout is not None and (
                         time.monotonic() - last_new > self.idle_timeout):

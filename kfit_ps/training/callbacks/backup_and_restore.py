@@ -5,8 +5,7 @@ import os
 import shutil
 
 from kfit_ps.training import checkpoint_files
-from kfit_ps.training.callbacks.base import SyncCallback
-from kfit_ps.training.callbacks.model_checkpoint import check_save_freq
+from kfit_ps.training.callbacks.base import SyncCallback, sync_every_from
 
 _STATE = "latest.json"
 
@@ -45,7 +44,7 @@ class BackupAndRestore(SyncCallback):
                              f"Received: backup_dir={backup_dir!r}.")
         self.backup_dir = os.fspath(backup_dir)
         self.save_freq = save_freq
-        self.sync_every = check_save_freq("BackupAndRestore", save_freq)
+        self.sync_every = sync_every_from("BackupAndRestore", "save_freq", save_freq)
         self.delete_checkpoint = delete_checkpoint
         self._resume = None
         self._sequence = 0

@@ -22,6 +22,17 @@ union of the points.
 import keras
 
 
+def sync_every_from(callback, argument, value):
+    """`sync_every` for a `"epoch"` or positive-int frequency argument (None for "epoch")."""
+    if value == "epoch":
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    raise ValueError(
+        f"{callback}: `{argument}` must be 'epoch' or a positive integer number of training "
+        f"steps. Received: {argument}={value!r}.")
+
+
 class SyncCallback(keras.callbacks.Callback):
     """Base class of kfit_ps callbacks that act on synchronised training state."""
 

@@ -5,16 +5,7 @@ import os
 import numpy as np
 
 from kfit_ps.training import checkpoint_files
-from kfit_ps.training.callbacks.base import SyncCallback
-
-
-def check_save_freq(callback, save_freq):
-    if save_freq == "epoch" or (isinstance(save_freq, int) and not isinstance(save_freq, bool)
-                                and save_freq > 0):
-        return None if save_freq == "epoch" else save_freq
-    raise ValueError(
-        f"{callback}: `save_freq` must be 'epoch' or a positive integer number of training "
-        f"steps. Received: save_freq={save_freq!r}.")
+from kfit_ps.training.callbacks.base import SyncCallback, sync_every_from
 
 
 class ModelCheckpoint(SyncCallback):
@@ -66,7 +57,7 @@ class ModelCheckpoint(SyncCallback):
         self.monitor, self.verbose = monitor, verbose
         self.save_best_only, self.save_weights_only = save_best_only, save_weights_only
         self.save_freq = save_freq
-        self.sync_every = check_save_freq("ModelCheckpoint", save_freq)
+        self.sync_every = sync_every_from("ModelCheckpoint", "save_freq", save_freq)
         if mode == "auto":
             mode = "max" if any(k in monitor for k in ("acc", "auc", "precision", "recall",
                                                          "f1")) else "min"

@@ -5,7 +5,7 @@ import os
 import tensorflow as tf
 
 from kfit_ps.training import checkpoint_files, summaries
-from kfit_ps.training.callbacks.base import SyncCallback
+from kfit_ps.training.callbacks.base import SyncCallback, sync_every_from
 
 
 class TensorBoard(SyncCallback):
@@ -32,14 +32,9 @@ class TensorBoard(SyncCallback):
 
     def __init__(self, log_dir="logs", update_freq="epoch"):
         super().__init__()
-        if update_freq != "epoch" and (isinstance(update_freq, bool) or not isinstance(
-                update_freq, int) or update_freq <= 0):
-            raise ValueError(
-                "TensorBoard: `update_freq` must be 'epoch' or a positive integer number of "
-                f"training steps. Received: update_freq={update_freq!r}.")
+        self.sync_every = sync_every_from("TensorBoard", "update_freq", update_freq)
         self.log_dir = os.fspath(log_dir)
         self.update_freq = update_freq
-        self.sync_every = None if update_freq == "epoch" else update_freq
         self._writers = {}
 
     def _writer(self, name):
