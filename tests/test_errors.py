@@ -129,3 +129,27 @@ def test_fit_before_compile(strategy):
     with pytest.raises(ValueError) as info:
         m.fit(data(), epochs=1, steps_per_epoch=2)
     check(info, "call `compile()` before `fit()`")
+
+
+def test_use_ema_is_refused_at_the_start_of_fit(strategy):
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.002, use_ema=True, ema_overwrite_frequency=1),
+                      "mse")
+    with pytest.raises(ValueError) as e:
+        model.fit(data(), epochs=1, steps_per_epoch=2, verbose=0)
+    check(e, "SGD(use_ema=True)", "Received: use_ema=True", "use_ema=False")
+    assert int(model.optimizer.iterations.numpy()) == 0  # nothing ran
+
+
+def test_workers_with_several_replicas_are_refused():
+    from kfit_ps.strategy.strategy import check_one_replica_per_worker
+
+    check_one_replica_per_worker(1)
+    with pytest.raises(ValueError) as e:
+        check_one_replica_per_worker(2)
+    check(e, "2 replicas each", "num_replicas_in_sync=2", "CUDA_VISIBLE_DEVICES")
+
+
+def test_strategy_on_cpu_workers_has_one_replica(strategy):
+    assert strategy.num_replicas_in_sync == 1  # what the check above is applied to

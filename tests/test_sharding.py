@@ -62,21 +62,6 @@ def test_partitioner_rules_are_errors(cluster):
         keras.Variable(np.zeros((4, 4), "float32"))
 
 
-def test_shards_are_initialised_one_at_a_time(sharded):
-    shapes = []
-
-    class Recording(keras.initializers.Initializer):
-        def __call__(self, shape, dtype=None):
-            shapes.append(tuple(shape))
-            return tf.ones(shape, dtype)
-
-    with sharded.scope():
-        layer = keras.layers.Embedding(1024, 1024, embeddings_initializer=Recording())
-        layer.build((None,))
-    assert shapes == [(512, 1024), (512, 1024)]  # never the whole (1024, 1024) table
-    assert float(layer.embeddings.numpy().sum()) == 1024 * 1024
-
-
 def embedding_model(strategy, make_optimizer, rows=1024, dim=1024):
     with strategy.scope():  # The optimizer too: its `iterations` must live on a ps.
         ids = keras.Input((), dtype="int64")
@@ -261,3 +246,101 @@ def test_every_other_builtin_optimizer_trains_a_sharded_table(fixed, name):
     assert int(model.optimizer.iterations.numpy()) == 4
     assert not np.array_equal(table.embeddings.numpy(), before)  # the table was updated
     assert np.all(np.isfinite(table.embeddings.numpy()))
+
+
+# Initial values of sharded variables ---------------------------------------------------------
+
+
+def test_default_embedding_initializer_gives_every_shard_its_own_values(fixed):
+    """Embedding's default "uniform" initializer on 2 shards: no row repeats another."""
+    with fixed(2).scope():
+        layer = keras.layers.Embedding(8, 4)
+        layer.build((None,))
+    parts = [s.numpy() for s in kfit_ps.shards(layer.embeddings)]
+    assert [p.shape for p in parts] == [(4, 4), (4, 4)]
+    assert not np.allclose(parts[0], parts[1])  # rows i and i + 4 start different
+    table = layer.embeddings.numpy()
+    assert len(np.unique(table.round(7), axis=0)) == 8
+    assert table.min() >= -0.05 and table.max() <= 0.05
+
+
+@pytest.mark.parametrize("initializer, std", [
+    ("glorot_uniform", np.sqrt(2.0 / 2000)),  # Dense's default: fans of the whole kernel
+    ("he_normal", np.sqrt(2.0 / 1000)),
+])
+def test_sharded_dense_kernel_has_the_distribution_of_the_whole_kernel(fixed, initializer, std):
+    with fixed(2).scope():
+        layer = keras.layers.Dense(1000, kernel_initializer=initializer)
+        layer.build((None, 1000))
+    assert len(kfit_ps.shards(layer.kernel)) == 2
+    kernel = layer.kernel.numpy()
+    assert abs(kernel.std() - std) < 0.02 * std, (kernel.std(), std)  # 1e6 samples
+    assert abs(kernel.mean()) < 0.01 * std
+    top, bottom = kfit_ps.shards(layer.kernel)
+    assert abs(top.numpy().std() - bottom.numpy().std()) < 0.02 * std
+    assert not np.allclose(top.numpy(), bottom.numpy())
+
+
+def test_seeded_initializers_give_the_same_sharded_values_every_time(fixed):
+    def build(seed):
+        with fixed(3).scope():
+            layer = keras.layers.Embedding(
+                30, 4, embeddings_initializer=keras.initializers.RandomNormal(seed=seed))
+            layer.build((None,))
+        return layer.embeddings.numpy()
+
+    first = build(7)
+    np.testing.assert_array_equal(first, build(7))
+    assert not np.allclose(first, build(8))
+    assert len(np.unique(first.round(7), axis=0)) == 30
+
+
+def test_other_initializers_are_built_whole_on_the_ps_and_sliced(fixed):
+    """An orthogonal kernel stays orthogonal; a user's initializer runs on a ps task."""
+    devices = []
+
+    class Recording(keras.initializers.Initializer):
+        def __call__(self, shape, dtype=None):
+            value = tf.random.stateless_normal(shape, (1, 2), dtype=dtype)
+            devices.append((tuple(shape), value.device))
+            return value
+
+    with fixed(2).scope():
+        dense = keras.layers.Dense(64, kernel_initializer="orthogonal")
+        dense.build((None, 64))
+        custom = keras.layers.Embedding(16, 4, embeddings_initializer=Recording())
+        custom.build((None,))
+    kernel = dense.kernel.numpy()
+    np.testing.assert_allclose(kernel.T @ kernel, np.eye(64), atol=1e-5)
+    assert [shape for shape, _ in devices] == [(16, 4), (16, 4)]
+    assert all("/job:ps/" in device for _, device in devices), devices  # never the chief
+    np.testing.assert_array_equal(custom.embeddings.numpy(),
+                                  tf.random.stateless_normal((16, 4), (1, 2)).numpy())
+
+
+def test_weight_decay_of_a_dense_fallback_optimizer_on_a_sharded_table(fixed):
+    """Nadam(weight_decay) has no sparse path: Keras' apply and decay, shard by shard."""
+    ids = np.array([1, 1, 5, 9, 12, 5], dtype="int64")
+    y = np.linspace(-1, 1, 6, dtype="float32")[:, None]
+    data = tf.data.Dataset.from_tensors((ids, y)).repeat()
+    make = lambda: keras.optimizers.Nadam(0.01, weight_decay=0.05)  # noqa: E731
+    with fixed(3).scope():
+        inputs = keras.Input((), dtype="int64")
+        table = keras.layers.Embedding(13, 3, embeddings_initializer="ones", name="table")
+        model = keras.Model(inputs, keras.layers.Dense(1, kernel_initializer="ones")(
+            table(inputs)))
+        model.compile(make(), "mse")
+    inputs = keras.Input((), dtype="int64")
+    one_hot = keras.layers.Lambda(lambda i: tf.one_hot(i, 13), output_shape=(13,))(inputs)
+    dense_table = keras.layers.Dense(3, use_bias=False, kernel_initializer="ones")
+    reference = keras.Model(inputs, keras.layers.Dense(1, kernel_initializer="ones")(
+        dense_table(one_hot)))
+    reference.compile(make(), "mse")
+    model.fit(data, epochs=3, steps_per_epoch=1, verbose=0)
+    for _ in range(3):
+        reference.train_on_batch(ids, y)
+    ours, theirs = model.get_weights(), reference.get_weights()
+    untouched = np.setdiff1d(np.arange(13), ids)
+    assert np.all(ours[0][untouched] < 1.0)  # decayed although never looked up
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)

@@ -24,7 +24,10 @@ from kfit_ps._tf_compat.keras_sharding import (
     variable_partitioner,
 )
 from kfit_ps._tf_compat.keras_trainer import (
+    build_for_predict,
     flatten_metrics_in_order,
+    improvement_test,
+    print_msg,
     has_stock_train_step,
     install_load_weights_hook,
     optimizer_slots,
@@ -38,7 +41,10 @@ from kfit_ps._tf_compat.keras_trainer import (
 __all__ = [
     "LocalStateScope",
     "SUPPORTED",
+    "build_for_predict",
     "check_versions",
+    "improvement_test",
+    "print_msg",
     "flatten_metrics_in_order",
     "has_stock_train_step",
     "install_sharding_support",

@@ -4,15 +4,16 @@ Under a `ParameterServerStrategy` with a `variable_partitioner`, TensorFlow
 creates a variable whose partitioner asks for more than one shard as a
 `ShardedVariable` (shard `i` holds rows `offsets[i]:offsets[i+1]`, "div"
 layout, shards round-robin over the ps tasks). A Keras 3 variable then holds
-that `ShardedVariable` as its storage. Out of the box this breaks in three
-ways, which `install_sharding_support()` mends (with a fourth), for variables created under
-a kfit_ps scope only:
+that `ShardedVariable` as its storage. Out of the box this breaks in the
+ways below, which `install_sharding_support()` mends for variables created
+under a kfit_ps scope only:
 
 1. **Initialization.** Keras creates `tf.Variable(lambda: init(full_shape))`
    without a shape, so TensorFlow builds the *whole* initial value on the
    coordinator and slices it. Here the variable gets its shape and a
-   partition-aware initial value: each shard's value is made for that shard
-   only (`_PartitionAwareInit`).
+   partition-aware initial value: each shard's value is made for that shard,
+   on its ps, with the distribution of the whole variable
+   (`_PartitionAwareInit`, `sharded_init.shard_value`).
 2. **Optimizer slots.** Keras creates a slot "colocated with" its variable;
    for a `ShardedVariable` TensorFlow then puts one unsharded slot on the
    coordinator. Here a slot of a sharded variable is sharded the same way,
@@ -27,11 +28,14 @@ a kfit_ps scope only:
    does) would concatenate every shard each step. Here it becomes one gather
    per shard, on that shard's ps task, so only the touched rows travel.
 
+5. **Dense optimizer updates and weight decay.** For optimizers without a
+   sparse path (`kfit_ps.training.sharded_updates`), the Keras optimizer's
+   own `apply` updates the whole sharded variable: its per-variable update
+   and its weight decay skip `extended.update` (which needs a single device)
+   for sharded variables; the decay runs shard by shard, on each shard's ps.
+
 Gradients with respect to a sharded variable are taken with respect to its
-shards (`shards(variable)`); see `kfit_ps.training.sharded_updates`. For
-optimizers without a sparse path there, the Keras optimizer's own `apply`
-updates the whole sharded variable: its per-variable update skips
-`extended.update` (which needs a single device) for sharded variables.
+shards (`shards(variable)`); see `kfit_ps.training.sharded_updates`.
 """
 
 import functools
@@ -46,6 +50,7 @@ from keras.src.optimizers import base_optimizer as _base_optimizer
 from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
 from kfit_ps._tf_compat.keras_variables import mark_kfit_variable, storage
+from kfit_ps._tf_compat.sharded_init import shard_value
 from kfit_ps._tf_compat.versions import check_versions
 
 _lock = threading.Lock()
@@ -79,8 +84,10 @@ class _PartitionAwareInit:
         self.initializer, self.shape, self.dtype = initializer, tuple(shape), dtype
 
     def __call__(self, partition_shape=None, partition_offset=None):
-        shape = self.shape if partition_shape is None else tuple(partition_shape)
-        return self.initializer(shape, dtype=self.dtype)
+        if partition_shape is None:
+            return self.initializer(self.shape, dtype=self.dtype)
+        return shard_value(self.initializer, self.shape, self.dtype, partition_shape,
+                           partition_offset)
 
 
 def _active_partitioner():
@@ -213,8 +220,30 @@ def _distributed_update_step(stock):
     return update
 
 
+def _apply_weight_decay(stock):
+    def apply_weight_decay(self, variables):
+        if self.weight_decay is None:
+            return stock(self, variables)
+        plain = []
+        for variable in variables:
+            sharded = sharded_storage(variable)
+            if sharded is None:
+                plain.append(variable)
+            elif self._use_weight_decay(variable):
+                # Keras' formula (variable -= variable * decay * lr), shard by shard on its ps.
+                for shard in sharded.variables:
+                    with tf.device(shard.device):
+                        lr = tf.cast(self.learning_rate, shard.dtype)
+                        decay = tf.cast(self.weight_decay, shard.dtype)
+                        shard.assign_sub(shard * decay * lr)
+        return stock(self, plain)
+
+    apply_weight_decay._kfit_ps_stock = stock
+    return apply_weight_decay
+
+
 def install_sharding_support():
-    """Installs the three changes above once per process (idempotent, thread-safe)."""
+    """Installs the changes above once per process (idempotent, thread-safe)."""
     global _installed
     with _lock:
         if _installed:
@@ -227,6 +256,7 @@ def install_sharding_support():
             (_tf_numpy, "take", _take),
             (_tf_core.Variable, "__array__", _array),
             (_tf_optimizer.TFOptimizer, "_distributed_tf_update_step", _distributed_update_step),
+            (_tf_optimizer.TFOptimizer, "_apply_weight_decay", _apply_weight_decay),
             (_tf_core.Variable, "_serialize_to_tensors", _serialize_to_tensors),
             (_tf_core.Variable, "_restore_from_tensors", _restore_from_tensors),
         ]

@@ -1,6 +1,7 @@
 """Hooks into the Keras 3 TensorFlow trainer.
 
-`install_dispatch` wraps `keras.Model.fit` / `evaluate` / `predict` so that a
+`install_dispatch` wraps `keras.Model.fit` / `evaluate` / `predict` (and the
+`*_on_batch` methods) so that a
 model whose distribution strategy satisfies a predicate is trained by another
 implementation (kfit_ps's parameter-server loop); every other model runs
 Keras' own method unchanged. The remaining functions read the few private
@@ -11,14 +12,16 @@ import functools
 import threading
 
 import tensorflow as tf
-from keras.src import tree
+from keras.src import backend, tree
 from keras.src.backend.tensorflow import trainer as _tf_trainer
+from keras.src.callbacks.monitor_callback import MonitorCallback
 from keras.src.losses import loss as loss_module
 from keras.src.trainers import data_adapters
+from keras.src.utils import io_utils
 
 from kfit_ps._tf_compat.versions import check_versions
 
-_METHODS = ("fit", "evaluate", "predict")
+_METHODS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
 _install_lock = threading.Lock()
 _handlers = {}
 
@@ -38,6 +41,39 @@ def symbolic_build(model, data_batch):
     model._symbolic_build(data_batch=data_batch)
 
 
+def build_for_predict(model, data_batch):
+    """Builds the model's own variables from a batch spec, as Keras' `predict` needs.
+
+    Unlike `symbolic_build`, it needs no `compile()` and no targets: only `x`
+    of `data_batch` is used. Does nothing for a built model.
+    """
+    if all(layer.built for layer in model._flatten_layers()):
+        return
+    symbolic = tree.map_structure(
+        lambda v: None if v is None else backend.KerasTensor(
+            v.shape, backend.standardize_dtype(v.dtype)), data_batch)
+    x, _, _ = data_adapters.data_adapter_utils.unpack_x_y_sample_weight(symbolic)
+    backend.compute_output_spec(model, x, training=False)
+
+
+def improvement_test(model, monitor, mode):
+    """`better(current, best)` for `monitor`, with Keras' `MonitorCallback` rules.
+
+    `mode` "auto" takes the direction from the model's compiled metric of that
+    name (so `cosine_similarity` is maximised), "min" for the loss; an unknown
+    direction is Keras' ValueError, which asks for `mode`.
+    """
+    monitor_callback = MonitorCallback(monitor=monitor, mode=mode)
+    monitor_callback.set_model(model)
+    monitor_callback._set_monitor_op()
+    return lambda current, best: bool(monitor_callback._is_improvement(current, best))
+
+
+def print_msg(message, line_break=True):
+    """Keras' own console output, silent under `keras.config.disable_interactive_logging()`."""
+    io_utils.print_msg(message, line_break=line_break)
+
+
 def flatten_metrics_in_order(model, logs):
     """What Keras' `evaluate(return_dict=False)` returns for `logs`."""
     return model._flatten_metrics_in_order(logs)
@@ -52,23 +88,26 @@ def _dispatching(name, stock):
     @functools.wraps(stock)
     def method(self, *args, **kwargs):
         for predicate, handlers in _handlers.values():
-            if predicate(self):
-                return handlers[name](self, *args, **kwargs)
+            handler = handlers.get(name)
+            if handler is not None and predicate(self):
+                return handler(self, *args, **kwargs)
         return stock(self, *args, **kwargs)
 
     method._kfit_ps_stock = stock
     return method
 
 
-def install_dispatch(key, predicate, fit, evaluate, predict):
-    """Routes `Model.fit/evaluate/predict` of models where `predicate(model)` holds.
+def install_dispatch(key, predicate, **handlers):
+    """Routes `Model.fit/evaluate/predict/*_on_batch` of models where `predicate(model)` holds.
 
-    Idempotent per `key`. Subclasses that override these methods themselves
-    are not affected.
+    `handlers` maps method names to replacements (a method without one, or
+    with None, keeps Keras' own). Idempotent
+    per `key`. Subclasses that override these methods themselves are not
+    affected.
     """
     with _install_lock:
         check_versions()
-        _handlers[key] = (predicate, {"fit": fit, "evaluate": evaluate, "predict": predict})
+        _handlers[key] = (predicate, dict(handlers))
         cls = _tf_trainer.TensorFlowTrainer
         for name in _METHODS:
             stock = getattr(cls, name)

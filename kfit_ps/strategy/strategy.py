@@ -101,6 +101,7 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         self._num_workers = len(spec[constants.WORKER])
         self._num_ps = len(spec[constants.PS])
         super().__init__(resolver, variable_partitioner)
+        check_one_replica_per_worker(self.num_replicas_in_sync)
 
     @contextlib.contextmanager
     def scope(self):
@@ -122,6 +123,21 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     def num_ps(self):
         """Number of ps tasks in the cluster."""
         return self._num_ps
+
+
+def check_one_replica_per_worker(num_replicas):
+    """Refuses workers with more than one replica (e.g. GPUs, which TensorFlow finds itself).
+
+    kfit_ps keeps one metric state and adds one `iterations` per step and worker; with
+    several replicas per worker it would silently drop replicas' metrics.
+    """
+    if num_replicas > 1:
+        raise ValueError(
+            f"ParameterServerStrategy: the workers have {num_replicas} replicas each (TensorFlow "
+            "found that many GPUs on each worker), and kfit_ps supports one replica per worker "
+            f"for now. Received: num_replicas_in_sync={num_replicas}. Give each worker one "
+            "device, e.g. start its server with CUDA_VISIBLE_DEVICES set to a single GPU (or "
+            "to '' for CPU only).")
 
 
 def _marking_creator(next_creator, **kwargs):

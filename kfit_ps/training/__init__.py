@@ -1,7 +1,7 @@
 """The training layer: parameter-server `fit` / `evaluate` / `predict` for Keras 3."""
 
 from kfit_ps import _tf_compat
-from kfit_ps.training import loop
+from kfit_ps.training import loop, on_batch
 from kfit_ps.training.dataset_creator import DatasetCreator
 from kfit_ps.training.export import export_saved_model
 from kfit_ps.training.sidecar_evaluator import Evaluation, SidecarEvaluator
@@ -21,15 +21,17 @@ def _build_optimizer_before_load(model):
 
 
 def install():
-    """Routes `fit` / `evaluate` / `predict` of models built under a kfit_ps strategy.
+    """Routes `fit` / `evaluate` / `predict` (and `*_on_batch`) of kfit_ps models.
 
     Called once by `import kfit_ps`; idempotent. Models built outside a kfit_ps
     strategy scope keep Keras' own methods. `load_weights` of a kfit_ps model
     first creates its optimizer's slots, so that they are restored, never
     skipped.
     """
-    _tf_compat.install_dispatch("kfit_ps", _handles, fit=loop.fit, evaluate=loop.evaluate,
-                                predict=loop.predict)
+    _tf_compat.install_dispatch(
+        "kfit_ps", _handles, fit=loop.fit, evaluate=loop.evaluate, predict=loop.predict,
+        train_on_batch=on_batch.train_on_batch, test_on_batch=on_batch.test_on_batch,
+        predict_on_batch=on_batch.predict_on_batch)
     _tf_compat.install_load_weights_hook("kfit_ps", _handles, _build_optimizer_before_load)
 
 

@@ -80,6 +80,10 @@ class ScheduledFunctions:
 
         return self._get(key, build)
 
+    def train_batch(self):
+        """`fn(batch) -> packed metric state`: one training step on a shipped batch."""
+        return self._on_shipped_batch(("train_batch",), self._train_step(), False)
+
     def test_batch(self):
         """`fn(batch) -> packed metric state`: one evaluation step on a shipped batch."""
         return self._on_shipped_batch(("test_batch",), self._model.test_step, False)

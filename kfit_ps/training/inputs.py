@@ -62,7 +62,7 @@ def _is_dataset_creator(x):
     )
 
 
-def _is_array_like(leaf):
+def is_array_like(leaf):
     return isinstance(leaf, (np.ndarray, tf.Tensor, np.generic)) or hasattr(leaf, "__array__")
 
 
@@ -140,8 +140,8 @@ def adapt(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True, train
 
     structure = tuple(v for v in (x, y, sample_weight) if v is not None)
     leaves = tf.nest.flatten(structure)
-    if not leaves or not all(_is_array_like(leaf) for leaf in leaves):
-        bad = next((leaf for leaf in leaves if not _is_array_like(leaf)), x)
+    if not leaves or not all(is_array_like(leaf) for leaf in leaves):
+        bad = next((leaf for leaf in leaves if not is_array_like(leaf)), x)
         raise _unsupported(arg, bad if leaves else x)
     arrays = _to_arrays(structure)
     if len(arrays) == 1:

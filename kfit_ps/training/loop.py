@@ -57,6 +57,9 @@ def strategy_for(model):
 # Preparation ---------------------------------------------------------------------------------
 
 
+_TRAINING = ("fit", "train_on_batch")
+
+
 def _prepare(model, strategy, element_spec, method):
     if getattr(model, "run_eagerly", False):
         raise ValueError(
@@ -64,16 +67,22 @@ def _prepare(model, strategy, element_spec, method):
             "workers and cannot run eagerly. Received: run_eagerly=True. Compile with "
             "run_eagerly=False (the default)."
         )
-    if method != "predict" and not model.compiled:
+    predicting = method.startswith("predict")
+    if not predicting and not model.compiled:
         raise ValueError(
             f"You must call `compile()` before `{method}()`. Compile the model inside "
             "`with strategy.scope():` so its optimizer and metrics live on the ps tasks."
         )
+    if method in _TRAINING:
+        _check_optimizer(model)
     _check_placement(model, method)  # Before building: name the misplaced object, not TF.
     with strategy.scope():
-        _tf_compat.symbolic_build(model, element_spec)
+        if predicting:  # Keras predicts with an uncompiled or unfitted model: build it only.
+            _tf_compat.build_for_predict(model, element_spec)
+        else:
+            _tf_compat.symbolic_build(model, element_spec)
     _check_placement(model, method)
-    if method == "fit" and sharded_updates.has_sharded_variables(model):
+    if method in _TRAINING and sharded_updates.has_sharded_variables(model):
         if not _tf_compat.has_stock_train_step(model):
             raise ValueError(
                 f"Model {model.name!r} overrides `train_step` and has sharded variables "
@@ -82,6 +91,19 @@ def _prepare(model, strategy, element_spec, method):
                 "respect to `kfit_ps.shards(variable)` and create the model without a "
                 "variable_partitioner.")
         sharded_updates.check_optimizer(model)
+
+
+def _check_optimizer(model):
+    optimizer = getattr(model, "optimizer", None)
+    if getattr(optimizer, "use_ema", False):
+        raise ValueError(
+            f"Optimizer {type(optimizer).__name__}(use_ema=True) of model {model.name!r} is not "
+            "supported under parameter-server training: Keras 3's TensorFlow optimizer updates "
+            "the moving averages in a cross-replica call inside a conditional, which "
+            "TensorFlow's distribution strategies reject (a single-machine MirroredStrategy "
+            "fails the same way). Received: use_ema=True. Compile with use_ema=False; to "
+            "average weights, save checkpoints (kfit_ps.callbacks.ModelCheckpoint) and "
+            "average them after training.")
 
 
 def _check_placement(model, method):

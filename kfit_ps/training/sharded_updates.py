@@ -25,8 +25,9 @@ not sparse. Dense (unsharded) variables always take Keras' own
 `optimizer.apply`, which also increments `iterations` once per step.
 
 Options that need every gradient at once (`clipnorm`, `clipvalue`,
-`global_clipnorm`), `use_ema` and `gradient_accumulation_steps` are refused
-at the start of `fit` for models with sharded variables.
+`global_clipnorm`) and `gradient_accumulation_steps` are refused at the start
+of `fit` for models with sharded variables (`use_ema` for every model, see
+`loop`).
 """
 
 import keras
@@ -52,11 +53,6 @@ def check_optimizer(model):
                 f"optimizer {type(optimizer).__name__} has {option}={value!r}, which needs "
                 f"all gradients of a step at once. Received: {option}={value!r}. Remove "
                 f"{option}, or create the model without a variable_partitioner.")
-    if getattr(optimizer, "use_ema", False):
-        raise ValueError(
-            f"Model {model.name!r} has sharded variables (variable_partitioner); optimizer "
-            "use_ema=True is not supported with them. Received: use_ema=True. Use "
-            "use_ema=False.")
 
 
 def _unique_rows(gradient, rows):
@@ -90,7 +86,9 @@ class ShardedGradientStep:
             if _tf_compat.sharded_storage(variable) is None:
                 dense_vars.append(variable)
                 dense_grads.append(grads[0])
-            elif (slots := _tf_compat.optimizer_slots(self.optimizer, variable)) is None:
+                continue
+            slots = _tf_compat.optimizer_slots(self.optimizer, variable)
+            if slots is None:
                 # No sparse path for this optimizer: Keras' own apply, dense, in step order.
                 dense_vars.append(variable)
                 dense_grads.append(tf.concat(
