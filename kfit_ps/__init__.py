@@ -16,14 +16,9 @@ with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
 ```
 """
 
-import logging as _logging
 import os as _os
 
 _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-
-from kfit_ps import constants as _constants  # noqa: E402
-
-_logging.getLogger("kfit_ps").setLevel(_constants.log_level())
 
 from kfit_ps import training as _training  # noqa: E402
 from kfit_ps.cluster.local import LocalCluster  # noqa: E402

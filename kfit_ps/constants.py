@@ -12,7 +12,8 @@ which follows TensorFlow's own convention.
 | `KFIT_PS_PARENT_POLL` | `0.5` | seconds between a server's checks that its launcher is alive |
 | `KFIT_PS_WORKER_INTER_OP_THREADS` | `0` | inter-op threads of a worker server; 0 = max(4, workers + 1, cores) |
 | `KFIT_PS_PROGRESS_INTERVAL` | `0.25` | seconds between progress-bar updates during `fit` (no synchronisation) |
-| `KFIT_PS_LOG_LEVEL` | `WARNING` | log level of the `kfit_ps` logger |
+| `KFIT_PS_EVALUATOR_IDLE_TIMEOUT` | `1800` | seconds a side-car evaluator waits for a new checkpoint in a directory that kfit_ps training does not write |
+| `KFIT_PS_LOG_LEVEL` | `WARNING` | log level of the `kfit_ps` logger in the `kfit-ps` commands (a program that imports kfit_ps sets its own) |
 | `KFIT_PS_WORKERS` | `2` | default `--workers` of `kfit-ps quickstart` and `kfit-ps local` |
 | `KFIT_PS_PS` | `2` (quickstart), `1` (local) | default `--ps` of those commands |
 | `TF_CPP_MIN_LOG_LEVEL` | `2` in `kfit-ps` and servers' `1` | TensorFlow's own C++ log filter; set it to override |
@@ -28,12 +29,14 @@ PARENT_POLL_ENV = "KFIT_PS_PARENT_POLL"
 WORKER_THREADS_ENV = "KFIT_PS_WORKER_INTER_OP_THREADS"
 PROGRESS_INTERVAL_ENV = "KFIT_PS_PROGRESS_INTERVAL"
 LOG_LEVEL_ENV = "KFIT_PS_LOG_LEVEL"
+EVALUATOR_IDLE_TIMEOUT_ENV = "KFIT_PS_EVALUATOR_IDLE_TIMEOUT"
 WORKERS_ENV = "KFIT_PS_WORKERS"
 PS_ENV = "KFIT_PS_PS"
 
 DEFAULT_STARTUP_TIMEOUT = 120.0
 DEFAULT_PARENT_POLL = 0.5
 DEFAULT_PROGRESS_INTERVAL = 0.25
+DEFAULT_EVALUATOR_IDLE_TIMEOUT = 1800.0
 
 # Task types understood by kfit_ps, in TensorFlow's naming.
 CHIEF = "chief"
@@ -85,6 +88,10 @@ def parent_poll_interval():
 
 def progress_interval():
     return _float(PROGRESS_INTERVAL_ENV, DEFAULT_PROGRESS_INTERVAL)
+
+
+def evaluator_idle_timeout():
+    return _float(EVALUATOR_IDLE_TIMEOUT_ENV, DEFAULT_EVALUATOR_IDLE_TIMEOUT)
 
 
 def worker_inter_op_threads(num_workers):

@@ -126,3 +126,16 @@ def test_verbose_modes(strategy, capsys, verbose):
     else:
         assert "Epoch 1/2" in out and "Epoch 2/2" in out
         assert out.count("loss:") == 2 and "4/4" in out
+
+
+def test_stock_keras_tensorboard_at_epoch_frequency(strategy, tmp_path):
+    """TensorFlow 2.21 does not install TensorBoard; kfit_ps does, so Keras' callback works."""
+    from kfit_ps.training import summaries
+
+    model, data = model_and_data(strategy)
+    model.fit(data, epochs=2, steps_per_epoch=4, verbose=0, validation_data=data,
+              validation_steps=2, callbacks=[keras.callbacks.TensorBoard(str(tmp_path))])
+    [train_events] = (tmp_path / "train").glob("events.*")
+    [val_events] = (tmp_path / "validation").glob("events.*")
+    assert [step for step, _ in summaries.read_scalars(str(train_events))["epoch_loss"]] == [0, 1]
+    assert "epoch_loss" in summaries.read_scalars(str(val_events))

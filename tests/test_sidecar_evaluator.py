@@ -134,3 +134,101 @@ def test_cli_evaluator_errors(tmp_path, args, env, fragment):
     proc = run_cli(["--checkpoint-dir", str(tmp_path), *args], env=env)
     assert proc.returncode == 2
     assert fragment in proc.stderr
+
+
+def test_a_file_rewritten_under_its_old_marker_is_not_evaluated(checkpoints, tmp_path):
+    """ModelCheckpoint with a fixed filepath rewrites the file: an evaluator must never take
+    the new (or half-written) bytes with the old marker's step."""
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    path = directory / "latest.weights.h5"
+    old, new = checkpoints / "ckpt-1-05.weights.h5", checkpoints / "ckpt-2-10.weights.h5"
+    path.write_bytes(old.read_bytes())
+    (directory / "latest.weights.h5.kfit_ps.json").write_text(
+        (checkpoints / "ckpt-1-05.weights.h5.kfit_ps.json").read_text())
+    (directory / "kfit_ps_training.json").write_text('{"state": "running"}')
+    evaluator = kfit_ps.SidecarEvaluator(build_model(), eval_data(), str(directory),
+                                         idle_timeout=0.5, poll_interval=0.1)
+    first = evaluator.start()
+    assert [e.step for e in first] == [5]
+    assert first[0].logs["loss"] == pytest.approx(direct_loss(old), rel=1e-6)
+
+    path.write_bytes(new.read_bytes()[:5000])  # Being rewritten, old marker still there,
+    assert evaluator.start() == first          # then complete, marker not yet rewritten:
+    path.write_bytes(new.read_bytes())
+    assert evaluator.start() == first          # neither is evaluated as step 5.
+    (directory / "latest.weights.h5.kfit_ps.json").write_text(
+        (checkpoints / "ckpt-2-10.weights.h5.kfit_ps.json").read_text())
+    second = evaluator.start()
+    assert [e.step for e in second] == [5, 20]
+    assert second[1].logs["loss"] == pytest.approx(direct_loss(new), rel=1e-6)
+
+
+def test_model_checkpoint_with_a_fixed_filepath_publishes_each_rewrite(strategy, tmp_path):
+    with strategy.scope():
+        model = build_model()
+    path = tmp_path / "latest.weights.h5"
+    marker = tmp_path / "latest.weights.h5.kfit_ps.json"
+    seen = []
+
+    class Watch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):  # after each synchronised save
+            if marker.exists():
+                seen.append(json.loads(marker.read_text()))
+
+    model.fit(kfit_ps.DatasetCreator(helpers.regression_dataset_fn()), epochs=1,
+              steps_per_epoch=9, verbose=0, callbacks=[kfit_ps.callbacks.ModelCheckpoint(
+                  str(path), save_weights_only=True, save_freq=3), Watch()])
+    import hashlib
+    final = json.loads(marker.read_text())
+    assert final["step"] == 9
+    assert final["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert final["size"] == path.stat().st_size
+
+
+def test_stock_keras_checkpoints_and_no_idle_timeout_stop_after_the_default(
+        checkpoints, tmp_path, monkeypatch, caplog):
+    """Stock Keras callbacks write no 'training done' file: the wait is bounded."""
+    directory = tmp_path / "stock"
+    directory.mkdir()
+    (directory / "stock.weights.h5").write_bytes(
+        (checkpoints / "ckpt-2-10.weights.h5").read_bytes())
+    past = os.path.getmtime(checkpoints / "ckpt-2-10.weights.h5") - 60
+    os.utime(directory / "stock.weights.h5", (past, past))
+    monkeypatch.setenv("KFIT_PS_EVALUATOR_IDLE_TIMEOUT", "1.5")
+    evaluator = kfit_ps.SidecarEvaluator(build_model(), eval_data(), str(directory),
+                                         poll_interval=0.1)
+    import time
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="kfit_ps"):
+        evaluations = evaluator.start()
+    assert time.monotonic() - started < 30
+    assert [e.step for e in evaluations] == [20]
+    assert "no 'training done' file" in caplog.text
+    assert "KFIT_PS_EVALUATOR_IDLE_TIMEOUT" in caplog.text
+
+
+def test_evaluator_accepts_the_training_dataset_creator(checkpoints, tmp_path):
+    def dataset_fn(input_context):
+        x = tf.random.stateless_normal((64, 4), seed=(3, 4))
+        return tf.data.Dataset.from_tensor_slices(
+            (x, tf.reduce_sum(x, 1, keepdims=True))).batch(16)
+
+    evaluator = kfit_ps.SidecarEvaluator(build_model(), kfit_ps.DatasetCreator(dataset_fn),
+                                         str(checkpoints), max_evaluations=1)
+    [evaluation] = evaluator.start()
+    assert evaluation.logs["loss"] == pytest.approx(direct_loss(evaluation.path), rel=1e-6)
+    repeated = kfit_ps.DatasetCreator(lambda ctx: dataset_fn(ctx).repeat())
+    with pytest.raises(ValueError, match="infinite .* Pass `steps=N`"):
+        kfit_ps.SidecarEvaluator(build_model(), repeated, str(checkpoints))
+    evaluator = kfit_ps.SidecarEvaluator(build_model(), repeated, str(checkpoints), steps=4,
+                                         max_evaluations=1)
+    assert len(evaluator.start()) == 1
+
+
+def test_stock_keras_tensorboard_in_the_evaluator(checkpoints, tmp_path):
+    board = keras.callbacks.TensorBoard(str(tmp_path / "tb"))
+    evaluator = kfit_ps.SidecarEvaluator(build_model(), eval_data(), str(checkpoints),
+                                         max_evaluations=2, callbacks=[board])
+    assert len(evaluator.start()) == 2
+    assert list((tmp_path / "tb" / "validation").glob("events.*"))

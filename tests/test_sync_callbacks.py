@@ -88,12 +88,13 @@ def test_backup_and_restore_resumes_mid_epoch(strategy, tmp_path):
     backup = kfit_ps.callbacks.BackupAndRestore(str(backup_dir), save_freq=3)
     with pytest.raises(RuntimeError, match="simulated crash"):
         model.fit(data, epochs=3, steps_per_epoch=5, verbose=0, callbacks=[backup, Crash()])
-    state = json.loads((backup_dir / "latest.json").read_text())
-    # Global steps 3, 6, 9: the last backup is after step 4 of epoch 1, iterations 9.
-    assert (state["epoch"], state["step"], state["iterations"]) == (1, 4, 9)
-    assert sorted(p.name for p in backup_dir.glob("*.h5")) == [state["weights"]]
+    # Global steps 3, 6, 9: only the last backup is left, after step 4 of epoch 1.
+    assert sorted(p.name for p in backup_dir.iterdir()) == [
+        "backup-00000003.weights.h5", "backup-00000003.weights.h5.kfit_ps.json"]
+    state = json.loads((backup_dir / "backup-00000003.weights.h5.kfit_ps.json").read_text())
+    assert (state["epoch"], state["batch"], state["step"]) == (1, 4, 9)
     saved = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-    saved.load_weights(str(backup_dir / state["weights"]))
+    saved.load_weights(str(backup_dir / "backup-00000003.weights.h5"))
 
     fresh, data = model_and_data(strategy, optimizer="adam")  # new variables, same cluster
     seen = {}
@@ -189,3 +190,74 @@ def test_sync_points_cover_every_multiple_and_the_epoch_end():
     assert points.stops(1, 0) == [2, 6, 8, 10]  # global 12, 16, 18, 20
     assert points.stops(1, 6) == [8, 10]  # resumed after step 6 of epoch 1
     assert SyncPoints([], 7).stops(3, 0) == [7]
+
+
+def crashed_backup(strategy, backup_dir):
+    """A backup directory left by a run that crashed in epoch 2 (backups at steps 3, 6, 9)."""
+    model, data = model_and_data(strategy, optimizer="adam")
+
+    class Crash(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 2:
+                raise RuntimeError("simulated crash")
+
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        model.fit(data, epochs=3, steps_per_epoch=5, verbose=0, callbacks=[
+            kfit_ps.callbacks.BackupAndRestore(str(backup_dir), save_freq=3), Crash()])
+    return data
+
+
+def test_backup_with_a_corrupt_marker_falls_back_to_the_previous_one(strategy, tmp_path,
+                                                                     caplog):
+    backup_dir = tmp_path / "backup"
+    data = crashed_backup(strategy, backup_dir)
+    good = sorted(backup_dir.iterdir())
+    # A newer backup whose marker was cut short (a crash while writing it).
+    (backup_dir / "backup-00000004.weights.h5").write_bytes(
+        (backup_dir / "backup-00000003.weights.h5").read_bytes())
+    (backup_dir / "backup-00000004.weights.h5.kfit_ps.json").write_text('{"step": 12, "ep')
+    fresh, _ = model_and_data(strategy, optimizer="adam")
+    resumed = {}
+
+    class Begin(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            resumed.setdefault("iterations", int(fresh.optimizer.iterations.numpy()))
+            resumed.setdefault("files", sorted(p.name for p in backup_dir.iterdir()))
+
+    with caplog.at_level("WARNING", logger="kfit_ps"):
+        history = fresh.fit(data, epochs=3, steps_per_epoch=5, verbose=0, callbacks=[
+            kfit_ps.callbacks.BackupAndRestore(str(backup_dir), save_freq=3,
+                                               delete_checkpoint=False), Begin()])
+    assert resumed["iterations"] == 9  # the complete backup, not a start from scratch
+    assert resumed["files"] == sorted([p.name for p in good] + [
+        "backup-00000004.weights.h5", "backup-00000004.weights.h5.kfit_ps.json"])
+    assert "backup-00000004.weights.h5" in caplog.text and "not valid JSON" in caplog.text
+    assert history.epoch == [1, 2]
+    # New backups never reuse a name, and older ones go only once a newer one is complete.
+    assert sorted(p.name for p in backup_dir.iterdir()) == [
+        "backup-00000006.weights.h5", "backup-00000006.weights.h5.kfit_ps.json"]
+
+
+def test_backup_dir_without_any_complete_backup_is_an_error_and_kept(strategy, tmp_path):
+    backup_dir = tmp_path / "backup"
+    data = crashed_backup(strategy, backup_dir)
+    marker = backup_dir / "backup-00000003.weights.h5.kfit_ps.json"
+    marker.write_text("not json")
+    before = sorted(p.name for p in backup_dir.iterdir())
+    fresh, _ = model_and_data(strategy, optimizer="adam")
+    with pytest.raises(RuntimeError) as e:
+        fresh.fit(data, epochs=3, steps_per_epoch=5, verbose=0, callbacks=[
+            kfit_ps.callbacks.BackupAndRestore(str(backup_dir), save_freq=3)])
+    assert str(marker) in str(e.value) and "Nothing was deleted" in str(e.value)
+    assert sorted(p.name for p in backup_dir.iterdir()) == before
+    assert int(fresh.optimizer.iterations.numpy()) == 0
+
+
+def test_a_backup_whose_write_never_finished_is_skipped(strategy, tmp_path):
+    backup_dir = tmp_path / "backup"
+    data = crashed_backup(strategy, backup_dir)
+    (backup_dir / "backup-00000004.weights.h5").write_bytes(b"half a file")  # no marker
+    fresh, _ = model_and_data(strategy, optimizer="adam")
+    history = fresh.fit(data, epochs=3, steps_per_epoch=5, verbose=0, callbacks=[
+        kfit_ps.callbacks.BackupAndRestore(str(backup_dir), save_freq=3)])
+    assert history.epoch == [1, 2] and int(fresh.optimizer.iterations.numpy()) == 15

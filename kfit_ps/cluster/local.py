@@ -37,7 +37,7 @@ import threading
 import time
 import weakref
 
-from kfit_ps import _tf_compat, constants
+from kfit_ps import _tf_compat, constants, validation
 from kfit_ps.cluster import server
 from kfit_ps.cluster.spec import ClusterConfig
 
@@ -57,13 +57,6 @@ def _free_port(host):
         return s.getsockname()[1]
 
 
-def _check_count(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(
-            f"LocalCluster: `{name}` must be an integer >= {minimum}. Received: {name}={value!r}."
-        )
-
-
 class LocalCluster:
     """A parameter-server cluster of real server processes on this machine.
 
@@ -81,10 +74,10 @@ class LocalCluster:
 
     def __init__(self, num_workers=2, num_ps=1, *, host="localhost", worker_threads=None,
                  startup_timeout=None, env=None):
-        _check_count("num_workers", num_workers, 1)
-        _check_count("num_ps", num_ps, 1)
-        if worker_threads is not None:
-            _check_count("worker_threads", worker_threads, 1)
+        num_workers = validation.check_int("num_workers", num_workers, 1, owner="LocalCluster")
+        num_ps = validation.check_int("num_ps", num_ps, 1, owner="LocalCluster")
+        worker_threads = validation.check_optional_int("worker_threads", worker_threads, 1,
+                                                       owner="LocalCluster")
         self.num_workers = num_workers
         self.num_ps = num_ps
         self.host = host

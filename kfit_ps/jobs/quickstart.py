@@ -12,6 +12,8 @@ import dataclasses
 import tempfile
 import time
 
+from kfit_ps import validation
+
 
 @dataclasses.dataclass(frozen=True)
 class QuickstartConfig:
@@ -31,9 +33,7 @@ class QuickstartConfig:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             minimum = 0 if field.name in ("verbose", "seed") else 1
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"QuickstartConfig.{field.name} must be an integer >= {minimum}. "
-                                 f"Received: {field.name}={value!r}.")
+            validation.check_int(field.name, value, minimum, owner="QuickstartConfig")
 
 
 def run(config=QuickstartConfig()):

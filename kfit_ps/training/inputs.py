@@ -26,6 +26,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
+from kfit_ps import validation
 from kfit_ps.training.dataset_creator import DatasetCreator
 
 SUPPORTED_INPUTS = (
@@ -55,11 +56,18 @@ class ShippedInput:
     num_batches: int = None  # None when the cardinality is unknown.
 
 
-def _is_dataset_creator(x):
-    # Also accept tf_keras' `tf.keras.utils.experimental.DatasetCreator`.
+def is_dataset_creator(x):
+    """Whether `x` is a kfit_ps (or tf_keras) `DatasetCreator`."""
     return isinstance(x, DatasetCreator) or (
         type(x).__name__ == "DatasetCreator" and callable(getattr(x, "dataset_fn", None))
     )
+
+
+def as_dataset_creator(x):
+    """A kfit_ps `DatasetCreator` for a kfit_ps or tf_keras one."""
+    if isinstance(x, DatasetCreator):
+        return x
+    return DatasetCreator(x.dataset_fn, getattr(x, "input_options", None))
 
 
 def is_array_like(leaf):
@@ -112,18 +120,14 @@ def adapt(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True, train
         training: True for training data (always `WorkerInput`, repeated).
         arg: the argument name used in error messages.
     """
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
-            batch_size, int) or batch_size <= 0):
-        raise ValueError(f"`batch_size` must be a positive integer. Received: "
-                         f"batch_size={batch_size!r}.")
+    batch_size = validation.check_optional_int("batch_size", batch_size, 1)
     if x is None:
         raise ValueError(f"`{arg}` is required. Supported inputs: {SUPPORTED_INPUTS}.")
 
-    if _is_dataset_creator(x):
+    if is_dataset_creator(x):
         _check_no_extra(arg, "DatasetCreator", y=y, sample_weight=sample_weight,
                         batch_size=batch_size)
-        creator = x if isinstance(x, DatasetCreator) else DatasetCreator(
-            x.dataset_fn, getattr(x, "input_options", None))
+        creator = as_dataset_creator(x)
         spec = creator(tf.distribute.InputContext()).element_spec
         return WorkerInput(element_spec=spec, dataset_fn=creator, options=creator.input_options)
 
@@ -176,9 +180,5 @@ def check_steps(name, value, required_because=None):
                 f"the loop. Received: {name}=None. Pass e.g. {name}=100."
             )
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(
-            f"`{name}` must be a positive integer. Received: {name}={value!r}. "
-            f"Pass the number of batches, e.g. {name}=100."
-        )
-    return int(value)
+    return validation.check_int(name, value, 1,
+                                hint=f"Pass the number of batches, e.g. {name}=100.")

@@ -34,7 +34,7 @@ import numpy as np
 import tensorflow as tf
 from keras.callbacks import CallbackList
 
-from kfit_ps import _tf_compat
+from kfit_ps import _tf_compat, validation
 from kfit_ps.strategy import is_kfit_strategy
 from kfit_ps.training import functions, inputs, metric_state, sharded_updates
 from kfit_ps.training.callbacks.base import SyncPoints
@@ -225,12 +225,6 @@ def _unpack_validation(validation_data):
     return validation_data, None, None
 
 
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}.")
-    return int(value)
-
-
 def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
         validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
         sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
@@ -247,9 +241,9 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
             "`class_weight` is not supported under parameter-server training. Received: "
             f"class_weight={class_weight!r}. Add per-example weights to the dataset as "
             "(x, y, sample_weight) instead.")
-    epochs = _check_int("epochs", epochs, 0)
-    initial_epoch = _check_int("initial_epoch", initial_epoch, 0)
-    validation_freq = _check_int("validation_freq", validation_freq, 1)
+    epochs = validation.check_int("epochs", epochs, 0)
+    initial_epoch = validation.check_int("initial_epoch", initial_epoch, 0)
+    validation_freq = validation.check_int("validation_freq", validation_freq, 1)
     verbose = resolve_verbose(verbose)
 
     train_input = inputs.adapt(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,

@@ -12,7 +12,7 @@ import threading
 
 from keras.utils import Progbar
 
-from kfit_ps import constants
+from kfit_ps import _tf_compat, constants
 
 
 def resolve_verbose(verbose):
@@ -41,7 +41,7 @@ class Progress:
         if not self.verbose:
             return
         if self.epochs > 1:
-            print(f"Epoch {epoch + 1}/{self.epochs}", flush=True)
+            _tf_compat.print_msg(f"Epoch {epoch + 1}/{self.epochs}")
         self._bar = Progbar(target=self.steps, verbose=self.verbose)
         if self.verbose == 1 and counter is not None:
             self._stop.clear()
@@ -77,7 +77,7 @@ class Progress:
             self.stop_polling()  # first: no poll may draw after the line is ended
             if failed:
                 if self._bar is not None and self.verbose == 1:
-                    print(flush=True)  # the traceback starts on its own line
+                    _tf_compat.print_msg("")  # the traceback starts on its own line
                 self._bar = None
 
     def epoch_end(self, logs):

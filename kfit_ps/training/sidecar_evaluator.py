@@ -6,24 +6,39 @@ checkpoint into its own (ordinary Keras) model and evaluates it on its own
 data. `kfit-ps evaluator` runs one from the command line (task type
 `evaluator` in `TF_CONFIG`).
 
-A checkpoint is a `.weights.h5` or `.keras` file in `checkpoint_dir`. Files
-written by `kfit_ps.callbacks.ModelCheckpoint` carry a marker written after
-the file is complete, with the training step: those are evaluated as soon
-as the marker appears. Other files (stock Keras callbacks) are evaluated once
-they have not changed for `settle_seconds`; if loading still fails (a
-partly written file), they are retried on later polls.
+A checkpoint is a `.weights.h5` or `.keras` file in `checkpoint_dir` (a
+local path or any `tf.io.gfile` URL). Files written by
+`kfit_ps.callbacks.ModelCheckpoint` carry a marker written after the file is
+complete, with the training step and the file's digest: such a file is
+evaluated once its bytes match its marker, from those very bytes, so a file
+being overwritten is never read half-written nor labelled with an old step.
+In a directory that kfit_ps training writes, files without a marker are in
+flight and skipped. Other directories' files (stock Keras callbacks) are
+evaluated once they have not changed for `settle_seconds`; if loading still
+fails (a partly written file), they are retried on later polls.
+
+When does it stop? At `max_evaluations`; when kfit_ps training has written
+its "training done" file and every checkpoint is evaluated; or after
+`idle_timeout` seconds without a new checkpoint. Stock Keras callbacks write
+no "done" file, so for a directory that kfit_ps training has not written,
+`idle_timeout=None` means `KFIT_PS_EVALUATOR_IDLE_TIMEOUT` (30 minutes by
+default), said in a log line, instead of waiting forever.
 """
 
 import dataclasses
+import io
 import logging
 import os
+import shutil
+import tempfile
 import time
 
 import h5py
 import numpy as np
 import tensorflow as tf
 
-from kfit_ps.training import checkpoint_files, summaries
+from kfit_ps import constants, validation
+from kfit_ps.training import checkpoint_files, inputs, summaries
 
 logger = logging.getLogger("kfit_ps.evaluator")
 
@@ -39,15 +54,28 @@ class Evaluation:
     logs: dict
 
 
-def _h5_step(path):
-    """`iterations` saved in a Keras weights file (None if it has no optimizer)."""
+def _h5_step(data):
+    """`iterations` saved in the bytes of a Keras weights file (None without an optimizer)."""
     try:
-        with h5py.File(path, "r") as f:
+        with h5py.File(io.BytesIO(data), "r") as f:
             if "optimizer/vars/0" in f:
                 return int(np.asarray(f["optimizer/vars/0"]))
     except (OSError, KeyError, ValueError, TypeError):
         return None
     return None
+
+
+def _evaluation_data(data, steps):
+    """What `model.evaluate` takes for `data`; a `DatasetCreator` is called once, here."""
+    if not inputs.is_dataset_creator(data):
+        return data
+    dataset = inputs.as_dataset_creator(data)(tf.distribute.InputContext())
+    if steps is None and dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
+        raise ValueError(
+            f"SidecarEvaluator: `data` is {data!r}, whose dataset is infinite (repeated), and "
+            "`steps` is None, so an evaluation would never end. Received: steps=None. Pass "
+            "`steps=N` (batches per evaluation), or return a finite dataset from the function.")
+    return dataset
 
 
 class SidecarEvaluator:
@@ -61,7 +89,9 @@ class SidecarEvaluator:
 
     Args:
         model: a compiled Keras model with the trained model's architecture.
-        data: what `model.evaluate` accepts (a finite dataset, or with `steps`).
+        data: what `model.evaluate` accepts (a finite dataset, or with `steps`),
+            or the training job's `kfit_ps.DatasetCreator`, which is called once
+            with a single-pipeline input context.
         checkpoint_dir: directory that training's `ModelCheckpoint` writes.
         steps: evaluation steps per checkpoint (None: the whole `data`).
         max_evaluations: stop after this many evaluations. Defaults to None:
@@ -75,7 +105,9 @@ class SidecarEvaluator:
         monitor, mode: metric and direction (`"min"`/`"max"`) for `export_best`.
         poll_interval: seconds between directory scans. Defaults to 1.
         idle_timeout: stop after this many seconds without a new checkpoint.
-            Defaults to None (wait for training to finish).
+            Defaults to None: wait for kfit_ps training to finish, or, in a
+            directory kfit_ps training has not written, for
+            `KFIT_PS_EVALUATOR_IDLE_TIMEOUT` seconds (1800 by default).
         settle_seconds: how long a file without a kfit_ps marker must stay
             unchanged before it is read. Defaults to 2.
     """
@@ -86,21 +118,20 @@ class SidecarEvaluator:
         if not getattr(model, "compiled", False):
             raise ValueError("SidecarEvaluator: `model` must be compiled with the loss and "
                              "metrics to report. Call model.compile(loss=..., metrics=[...]).")
-        if max_evaluations is not None and (not isinstance(max_evaluations, int)
-                                            or max_evaluations < 1):
-            raise ValueError("SidecarEvaluator: `max_evaluations` must be None or an integer "
-                             f">= 1. Received: max_evaluations={max_evaluations!r}.")
+        max_evaluations = validation.check_optional_int("max_evaluations", max_evaluations, 1,
+                                                        owner="SidecarEvaluator")
         if mode not in ("min", "max"):
             raise ValueError(f"SidecarEvaluator: `mode` must be 'min' or 'max'. "
                              f"Received: mode={mode!r}.")
         if export_best is not None and not os.fspath(export_best).endswith(".keras"):
             raise ValueError("SidecarEvaluator: `export_best` must be a path ending in "
                              f"'.keras'. Received: export_best={export_best!r}.")
-        self.model, self.data, self.steps = model, data, steps
-        self.checkpoint_dir = os.fspath(checkpoint_dir)
+        self.model, self.steps = model, steps
+        self.data = _evaluation_data(data, steps)
+        self.checkpoint_dir = validation.path(checkpoint_dir)
         self.max_evaluations = max_evaluations
         self.callbacks = callbacks
-        self.log_dir = os.fspath(log_dir) if log_dir is not None else self.checkpoint_dir
+        self.log_dir = validation.path(log_dir) if log_dir is not None else self.checkpoint_dir
         self.export_best, self.monitor, self.mode = export_best, monitor, mode
         self.poll_interval, self.idle_timeout = poll_interval, idle_timeout
         self.settle_seconds = settle_seconds
@@ -108,55 +139,80 @@ class SidecarEvaluator:
         self.best = None
         self._seen = set()
         self._writer = None
+        self._scratch = None
 
     # Discovery ---------------------------------------------------------------------------
 
     def _candidates(self):
-        """(complete, not yet evaluated checkpoints as (key, path, step or None), oldest
-        first; how many files may still be being written)."""
+        """(checkpoints not yet evaluated as (key, path, data, step or None), in order;
+        how many files may still be being written)."""
         try:
-            names = os.listdir(self.checkpoint_dir)
-        except FileNotFoundError:
+            names = tf.io.gfile.listdir(self.checkpoint_dir)
+        except tf.errors.NotFoundError:
             return [], 0
+        managed = checkpoint_files.managed_by_kfit_ps(self.checkpoint_dir)
         found, unsettled = [], 0
         now = time.time()
         for name in names:
+            name = name.rstrip("/")
             if not name.endswith(_SUFFIXES) or name.startswith("."):
                 continue
-            path = os.path.join(self.checkpoint_dir, name)
+            path = checkpoint_files.join(self.checkpoint_dir, name)
             if self.export_best is not None and os.path.abspath(path) == os.path.abspath(
                     self.export_best):
                 continue  # Our own export, not a training checkpoint.
             try:
-                stat = os.stat(path)
-            except FileNotFoundError:
+                stat = tf.io.gfile.stat(path)
+                marker = checkpoint_files.read_marker(path)
+            except tf.errors.NotFoundError:
                 continue
-            marker = checkpoint_files.read_marker(path)
+            except checkpoint_files.Unreadable:
+                marker = None  # A marker being written: its file is not published yet.
             if marker is not None:
-                key = (path, "step", marker["step"], stat.st_mtime_ns)
+                key = (path, marker.get("sha256"))
+                if key in self._seen:
+                    continue
+                data = checkpoint_files.read_verified(path, marker)
+                if data is None:  # Rewritten since its marker: wait for the new marker.
+                    unsettled += 1
+                    continue
                 step = marker["step"]
-            elif now - stat.st_mtime >= self.settle_seconds:
-                key = (path, "file", stat.st_mtime_ns, stat.st_size)
-                step = None
-            else:
-                unsettled += 1  # Possibly still being written.
+            elif managed or now - stat.mtime_nsec / 1e9 < self.settle_seconds:
+                unsettled += 1  # In flight (kfit_ps publishes with a marker), or unsettled.
                 continue
-            if key not in self._seen:
-                found.append((stat.st_mtime_ns, key, path, step))
-        return [(key, path, step) for _, key, path, step in sorted(found)], unsettled
+            else:
+                key = (path, "file", stat.mtime_nsec, stat.length)
+                if key in self._seen:
+                    continue
+                with tf.io.gfile.GFile(path, "rb") as f:
+                    data = f.read()
+                step = None
+            found.append((stat.mtime_nsec, key, path, data, step))
+        # In training order: by step where a marker gives it (file times may tie), then time.
+        found.sort(key=lambda item: (item[4] is None, item[4] or 0, item[0], item[2]))
+        return [(key, path, data, step) for _, key, path, data, step in found], unsettled
 
     # One evaluation ----------------------------------------------------------------------
 
-    def _load(self, path):
+    def _load(self, path, data):
+        """Loads the weights from `data` (the checked bytes of `path`), not from `path` again."""
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None and not optimizer.built:
             optimizer.build(self.model.trainable_variables)  # Loads its state quietly too.
-        self.model.load_weights(path)
+        if self._scratch is None:
+            self._scratch = tempfile.mkdtemp(prefix="kfit_ps-evaluator-")
+        local = os.path.join(self._scratch, os.path.basename(path))
+        with open(local, "wb") as f:
+            f.write(data)
+        try:
+            self.model.load_weights(local)
+        finally:
+            os.remove(local)
 
-    def _evaluate(self, path, step):
-        self._load(path)
+    def _evaluate(self, path, data, step):
+        self._load(path, data)
         if step is None:
-            step = _h5_step(path) if path.endswith(".h5") else None
+            step = _h5_step(data) if path.endswith(".h5") else None
         if step is None:
             optimizer = getattr(self.model, "optimizer", None)
             step = int(optimizer.iterations.numpy()) if optimizer is not None else 0
@@ -174,7 +230,7 @@ class SidecarEvaluator:
     def _summarise(self, evaluation):
         if self._writer is None:
             self._writer = tf.summary.create_file_writer(
-                os.path.join(self.log_dir, "validation"))
+                checkpoint_files.join(self.log_dir, "validation"))
         summaries.write_scalars(self._writer, "evaluation_{}_vs_iterations", evaluation.logs,
                                 evaluation.step)
 
@@ -184,6 +240,7 @@ class SidecarEvaluator:
         value = evaluation.logs[self.monitor]
         if self.best is None or (value < self.best if self.mode == "min" else value > self.best):
             self.best = value
+            checkpoint_files.unpublish(self.export_best)
             self.model.save(self.export_best, overwrite=True)
             logger.info("exported best model (%s=%.6g) to %s", self.monitor, value,
                         self.export_best)
@@ -200,17 +257,26 @@ class SidecarEvaluator:
             pass
         return list(self.evaluations)
 
+    def _idle_timeout(self):
+        """Seconds without a new checkpoint after which to stop (None: wait for training)."""
+        if self.idle_timeout is not None:
+            return self.idle_timeout
+        if checkpoint_files.managed_by_kfit_ps(self.checkpoint_dir):
+            return None  # kfit_ps training writes a "done" file when it ends.
+        return constants.evaluator_idle_timeout()
+
     def evaluate_as_they_come(self):
         """Like `start`, but yields each new `Evaluation` as soon as it is done."""
         last_new = time.monotonic()
+        announced = None
         try:
             while not self._done():
                 finished = checkpoint_files.training_done(self.checkpoint_dir) is not None
                 progressed = False
                 candidates, unsettled = self._candidates()
-                for key, path, step in candidates:
+                for key, path, data, step in candidates:
                     try:
-                        evaluation = self._evaluate(path, step)
+                        evaluation = self._evaluate(path, data, step)
                     except (OSError, ValueError) as e:
                         if step is not None:
                             raise  # A marked checkpoint is complete: a real error.
@@ -226,12 +292,26 @@ class SidecarEvaluator:
                     continue
                 if finished and not unsettled:
                     break  # Training ended before this scan: nothing more will come.
-                if self.idle_timeout is not None and (
-                        time.monotonic() - last_new > self.idle_timeout):
-                    logger.info("no new checkpoint for %.0f s; stopping", self.idle_timeout)
+                idle_timeout = self._idle_timeout()
+                if idle_timeout is not None and self.idle_timeout is None and (
+                        announced != idle_timeout):
+                    announced = idle_timeout
+                    logger.warning(
+                        "SidecarEvaluator: %s is not written by kfit_ps.callbacks."
+                        "ModelCheckpoint, so no 'training done' file will end the evaluation; "
+                        "stopping after %.0f s without a new checkpoint (pass idle_timeout or "
+                        "set %s to change this).", self.checkpoint_dir, idle_timeout,
+                        constants.EVALUATOR_IDLE_TIMEOUT_ENV)
+                if idle_timeout is not None and time.monotonic() - last_new > idle_timeout:
+                    logger.warning("SidecarEvaluator: no new checkpoint in %s for %.0f s; "
+                                   "stopping after %d evaluations.", self.checkpoint_dir,
+                                   idle_timeout, len(self.evaluations))
                     break
                 time.sleep(self.poll_interval)
         finally:
             if self._writer is not None:
                 self._writer.close()
                 self._writer = None
+            if self._scratch is not None:
+                shutil.rmtree(self._scratch, ignore_errors=True)
+                self._scratch = None

@@ -1,9 +1,10 @@
-"""TensorBoard scalar summaries without the `tensorboard` package.
+"""TensorBoard scalar summaries, written with TensorFlow alone.
 
-`tf.summary.scalar` needs the `tensorboard` pip package, which TensorFlow
-does not install. A scalar summary is only a float32 scalar tensor tagged
-with the "scalars" plugin, so kfit_ps writes it with `tf.summary.write`,
-which is part of TensorFlow itself; TensorBoard reads it as a scalar.
+A scalar summary is only a float32 scalar tensor tagged with the "scalars"
+plugin, so kfit_ps writes it with `tf.summary.write`, which is part of
+TensorFlow itself (`tf.summary.scalar` needs the `tensorboard` package, which
+kfit_ps installs for Keras' own callback and for `tensorboard --logdir`, but
+does not need to write its own scalars).
 """
 
 import numpy as np
@@ -29,7 +30,12 @@ def read_scalars(event_file):
     scalars = {}
     for event in tf.compat.v1.train.summary_iterator(event_file):
         for value in event.summary.value:
-            number = float(tf.make_ndarray(value.tensor)) if value.HasField("tensor") \
-                else float(value.simple_value)
+            if value.HasField("tensor"):
+                array = tf.make_ndarray(value.tensor)
+                if array.ndim != 0 or array.dtype.kind not in "fiu":
+                    continue  # Not a scalar (e.g. Keras' model-config text summary).
+                number = float(array)
+            else:
+                number = float(value.simple_value)
             scalars.setdefault(value.tag, []).append((int(event.step), number))
     return scalars

@@ -1,13 +1,21 @@
 """`BackupAndRestore`: resume a parameter-server job where it stopped."""
 
-import glob
-import os
-import shutil
+import logging
+import re
 
+import tensorflow as tf
+
+from kfit_ps import validation
 from kfit_ps.training import checkpoint_files
 from kfit_ps.training.callbacks.base import SyncCallback, sync_every_from
 
-_STATE = "latest.json"
+log = logging.getLogger("kfit_ps.callbacks")
+
+_NAME = re.compile(r"^backup-(\d{8})\.weights\.h5$")
+
+
+def _backup_name(sequence):
+    return f"backup-{sequence:08d}.weights.h5"
 
 
 class BackupAndRestore(SyncCallback):
@@ -17,14 +25,18 @@ class BackupAndRestore(SyncCallback):
     position (epoch and step within it) at every epoch end, or every
     `save_freq` global steps after a synchronisation (no step in flight). If the
     coordinator dies (even by SIGKILL), rerunning the same `fit` finds the
-    last backup in `on_train_begin`, restores it on the ps tasks and continues
-    from that position, so `optimizer.iterations` ends where an uninterrupted
-    run ends. The input pipeline starts afresh on resume.
+    last complete backup in `on_train_begin`, restores it on the ps tasks and
+    continues from that position, so `optimizer.iterations` ends where an
+    uninterrupted run ends. The input pipeline starts afresh on resume.
 
-    Each backup is a new `.weights.h5` file; `latest.json`, which names it,
-    is replaced atomically afterwards, so a crash mid-write leaves the
-    previous backup in force. When `fit` completes, the directory is deleted
-    (with `delete_checkpoint=True`), and a later `fit` starts normally.
+    Each backup is a new `backup-<n>.weights.h5` file, published by a marker
+    written after it (`checkpoint_files`: "data, then marker", no rename, so
+    `gs://` and other object stores work). A backup whose marker is missing,
+    unreadable or does not match the file's bytes is not used: resuming falls
+    back to the newest complete backup, with a warning. Older backups are
+    deleted only once a newer one is complete. When `fit` completes, the
+    directory is deleted (with `delete_checkpoint=True`), and a later `fit`
+    starts normally.
 
     ```python
     backup = kfit_ps.callbacks.BackupAndRestore("/shared/backup", save_freq=100)
@@ -32,7 +44,8 @@ class BackupAndRestore(SyncCallback):
     ```
 
     Args:
-        backup_dir: directory for the backups (shared by reruns of the job).
+        backup_dir: directory for the backups (shared by reruns of the job); a
+            local path or any `tf.io.gfile` URL (`gs://...`).
         save_freq: `"epoch"` or a positive number of steps. Defaults to `"epoch"`.
         delete_checkpoint: delete `backup_dir` when `fit` completes. Defaults to True.
     """
@@ -42,29 +55,71 @@ class BackupAndRestore(SyncCallback):
         if not backup_dir:
             raise ValueError("BackupAndRestore: `backup_dir` must be a directory path. "
                              f"Received: backup_dir={backup_dir!r}.")
-        self.backup_dir = os.fspath(backup_dir)
+        self.backup_dir = validation.path(backup_dir)
         self.save_freq = save_freq
         self.sync_every = sync_every_from("BackupAndRestore", "save_freq", save_freq)
         self.delete_checkpoint = delete_checkpoint
         self._resume = None
         self._sequence = 0
 
+    # Finding backups -----------------------------------------------------------------------
+
+    def _sequences(self):
+        """Sequence numbers of the backup files present, newest first."""
+        if not tf.io.gfile.isdir(self.backup_dir):
+            return []
+        found = (_NAME.match(name) for name in tf.io.gfile.listdir(self.backup_dir))
+        return sorted((int(m.group(1)) for m in found if m), reverse=True)
+
+    def _path(self, sequence):
+        return checkpoint_files.join(self.backup_dir, _backup_name(sequence))
+
+    def _newest_complete(self, sequences):
+        """(sequence, marker) of the newest backup whose marker describes its file."""
+        skipped = []
+        for sequence in sequences:
+            path = self._path(sequence)
+            try:
+                marker = checkpoint_files.read_marker(path)
+            except checkpoint_files.Unreadable as e:
+                skipped.append(f"{path}: {e}")
+                continue
+            if marker is None:
+                skipped.append(f"{path}: no marker (its write did not finish)")
+                continue
+            if checkpoint_files.fingerprint(path) != (marker.get("size"), marker.get("sha256")):
+                skipped.append(f"{path}: the file does not match its marker")
+                continue
+            if skipped:
+                log.warning("BackupAndRestore: resuming from %s, the newest complete backup; "
+                            "skipped newer ones: %s", path, "; ".join(skipped))
+            return sequence, marker
+        if skipped:
+            raise RuntimeError(
+                f"BackupAndRestore found backups in {self.backup_dir!r} but none is complete: "
+                f"{'; '.join(skipped)}. Nothing was deleted. Move the directory away (or delete "
+                "it) to start training from scratch.")
+        return None, None
+
+    # Callback hooks ------------------------------------------------------------------------
+
     def on_train_begin(self, logs=None):
         self._resume = None
-        state = checkpoint_files.read_json(os.path.join(self.backup_dir, _STATE))
-        if state is None:
+        sequences = self._sequences()
+        self._sequence = sequences[0] if sequences else 0  # New backups never reuse a name.
+        sequence, marker = self._newest_complete(sequences)
+        if sequence is None:
             return
-        path = os.path.join(self.backup_dir, state["weights"])
+        path = self._path(sequence)
         self.model.load_weights(path)
         restored = checkpoint_files.training_step(self.model)
-        if self.model.optimizer is not None and restored != state["iterations"]:
+        if self.model.optimizer is not None and restored != marker["step"]:
             raise RuntimeError(
                 f"BackupAndRestore restored {path} but the optimizer's iterations is "
-                f"{restored}, not the {state['iterations']} recorded with it: the optimizer "
+                f"{restored}, not the {marker['step']} recorded with it: the optimizer "
                 "state was not restored. Compile the model with the same optimizer as the "
                 "run that wrote the backup.")
-        self._sequence = state["sequence"]
-        self._resume = (state["epoch"], state["step"])
+        self._resume = (marker["epoch"], marker["batch"])
 
     def resume_position(self):
         return self._resume
@@ -80,18 +135,16 @@ class BackupAndRestore(SyncCallback):
 
     def on_train_end(self, logs=None):
         self._resume = None
-        if self.delete_checkpoint:
-            shutil.rmtree(self.backup_dir, ignore_errors=True)
+        if self.delete_checkpoint and tf.io.gfile.exists(self.backup_dir):
+            tf.io.gfile.rmtree(self.backup_dir)
 
     def _backup(self, epoch, step):
-        os.makedirs(self.backup_dir, exist_ok=True)
+        tf.io.gfile.makedirs(self.backup_dir)
         self._sequence += 1
-        name = f"backup-{self._sequence:08d}.weights.h5"
-        self.model.save_weights(os.path.join(self.backup_dir, name), overwrite=True)
-        checkpoint_files.write_json_atomically(
-            os.path.join(self.backup_dir, _STATE),
-            {"weights": name, "epoch": epoch, "step": step, "sequence": self._sequence,
-             "iterations": checkpoint_files.training_step(self.model)})
-        for old in glob.glob(os.path.join(self.backup_dir, "backup-*.weights.h5")):
-            if os.path.basename(old) != name:
-                os.remove(old)
+        path = self._path(self._sequence)
+        self.model.save_weights(path, overwrite=True)
+        checkpoint_files.publish(path, checkpoint_files.training_step(self.model), epoch, step)
+        for older in self._sequences():  # Only now that a newer backup is complete.
+            if older < self._sequence:
+                checkpoint_files.remove(self._path(older) + checkpoint_files.MARKER_SUFFIX)
+                checkpoint_files.remove(self._path(older))

@@ -21,16 +21,15 @@ union of the points.
 
 import keras
 
+from kfit_ps import validation
+
 
 def sync_every_from(callback, argument, value):
     """`sync_every` for a `"epoch"` or positive-int frequency argument (None for "epoch")."""
     if value == "epoch":
         return None
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    raise ValueError(
-        f"{callback}: `{argument}` must be 'epoch' or a positive integer number of training "
-        f"steps. Received: {argument}={value!r}.")
+    return validation.check_int(argument, value, 1, owner=callback,
+                                hint="Pass 'epoch' or a number of training steps.")
 
 
 class SyncCallback(keras.callbacks.Callback):

@@ -1,9 +1,9 @@
 """`ModelCheckpoint` for parameter-server training: consistent snapshots every epoch or N steps."""
 
-import os
-
 import numpy as np
+import tensorflow as tf
 
+from kfit_ps import _tf_compat, validation
 from kfit_ps.training import checkpoint_files
 from kfit_ps.training.callbacks.base import SyncCallback, sync_every_from
 
@@ -17,10 +17,13 @@ class ModelCheckpoint(SyncCallback):
     training each save is a consistent snapshot: an integer `save_freq` makes
     `fit` synchronise at every multiple of `save_freq` global steps, so no step
     is in flight while the weights are read, and `{batch}`/metrics refer to
-    exactly the steps applied. Each saved file gets a marker
-    (`<file>.kfit_ps.json`, with the training step) once it is complete, and
-    the directory gets `kfit_ps_training_done.json` when `fit` ends; the
-    side-car evaluator reads both.
+    exactly the steps applied. Each saved file is published by a marker
+    (`<file>.kfit_ps.json`, with the training step and the file's digest)
+    written once it is complete; a file about to be overwritten loses its
+    marker first (`checkpoint_files`). The directory gets
+    `kfit_ps_training.json` when `fit` starts and
+    `kfit_ps_training_done.json` when it ends; the side-car evaluator reads
+    them all. Paths may be any `tf.io.gfile` URL (`gs://...`).
 
     ```python
     ckpt = kfit_ps.callbacks.ModelCheckpoint("ckpt/{epoch:02d}-{batch:04d}.weights.h5",
@@ -36,7 +39,8 @@ class ModelCheckpoint(SyncCallback):
         save_best_only: save only when `monitor` improves. Defaults to False.
         save_weights_only: `model.save_weights` (path ends in `.weights.h5`)
             instead of `model.save` (path ends in `.keras`). Defaults to False.
-        mode: `"min"`, `"max"` or `"auto"` (max for accuracy-like names).
+        mode: `"min"`, `"max"` or `"auto"` (Keras' rule: the direction of
+            the compiled metric named by `monitor`; min for losses).
         save_freq: `"epoch"` or a positive number of steps. Defaults to `"epoch"`.
         initial_value_threshold: best value to beat at first. Defaults to None.
     """
@@ -45,7 +49,7 @@ class ModelCheckpoint(SyncCallback):
                  save_weights_only=False, mode="auto", save_freq="epoch",
                  initial_value_threshold=None):
         super().__init__()
-        self.filepath = os.fspath(filepath)
+        self.filepath = validation.path(filepath)
         suffixes = (".weights.h5",) if save_weights_only else (".keras",)
         if not self.filepath.endswith(suffixes):
             raise ValueError(
@@ -58,19 +62,19 @@ class ModelCheckpoint(SyncCallback):
         self.save_best_only, self.save_weights_only = save_best_only, save_weights_only
         self.save_freq = save_freq
         self.sync_every = sync_every_from("ModelCheckpoint", "save_freq", save_freq)
-        if mode == "auto":
-            mode = "max" if any(k in monitor for k in ("acc", "auc", "precision", "recall",
-                                                         "f1")) else "min"
         self.mode = mode
         self.best = initial_value_threshold
         self.last_saved = None
+        self._better = None
 
     @property
     def directory(self):
-        return os.path.dirname(os.path.abspath(self.filepath))
+        return checkpoint_files.dirname(self.filepath)
 
     def on_train_begin(self, logs=None):
-        checkpoint_files.clear_training_done(self.directory)
+        if self.save_best_only:
+            self._better = _tf_compat.improvement_test(self.model, self.monitor, self.mode)
+        checkpoint_files.mark_training_started(self.directory)
 
     def on_train_sync(self, epoch, step, logs):
         self._save(epoch, step, logs)
@@ -87,8 +91,7 @@ class ModelCheckpoint(SyncCallback):
         current = logs.get(self.monitor)
         if current is None or np.ndim(current) != 0:
             return True  # As Keras: without a scalar to compare, save.
-        if self.best is None or (current < self.best if self.mode == "min"
-                                 else current > self.best):
+        if self.best is None or self._better(float(current), self.best):
             self.best = float(current)
             return True
         return False
@@ -105,13 +108,13 @@ class ModelCheckpoint(SyncCallback):
                 "and {batch} only with an integer save_freq.") from None
         if self.save_best_only and not self._improved(logs):
             return
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tf.io.gfile.makedirs(checkpoint_files.dirname(path))
+        checkpoint_files.unpublish(path)  # A reader must not match the old marker to new bytes.
         if self.save_weights_only:
             self.model.save_weights(path, overwrite=True)
         else:
             self.model.save(path, overwrite=True)
-        checkpoint_files.write_marker(path, checkpoint_files.training_step(self.model), epoch,
-                                      step)
+        checkpoint_files.publish(path, checkpoint_files.training_step(self.model), epoch, step)
         self.last_saved = path
         if self.verbose:
-            print(f"\nEpoch {epoch + 1}: saved {path}", flush=True)
+            _tf_compat.print_msg(f"\nEpoch {epoch + 1}: saved {path}")

@@ -1,9 +1,8 @@
 """`TensorBoard` scalars for parameter-server training."""
 
-import os
-
 import tensorflow as tf
 
+from kfit_ps import validation
 from kfit_ps.training import checkpoint_files, summaries
 from kfit_ps.training.callbacks.base import SyncCallback, sync_every_from
 
@@ -33,14 +32,14 @@ class TensorBoard(SyncCallback):
     def __init__(self, log_dir="logs", update_freq="epoch"):
         super().__init__()
         self.sync_every = sync_every_from("TensorBoard", "update_freq", update_freq)
-        self.log_dir = os.fspath(log_dir)
+        self.log_dir = validation.path(log_dir)
         self.update_freq = update_freq
         self._writers = {}
 
     def _writer(self, name):
         if name not in self._writers:
             self._writers[name] = tf.summary.create_file_writer(
-                os.path.join(self.log_dir, name))
+                checkpoint_files.join(self.log_dir, name))
         return self._writers[name]
 
     def _write(self, name, tag_format, logs, step):
