@@ -213,3 +213,32 @@ def test_step_error_surfaces_and_stops_progress_polling():
     assert result["error"].startswith("InvalidArgumentError") and "bad batch" in result["error"]
     assert result["pollers"] == []
     assert result["batches"] == [4.0]  # the strategy stays usable after a failed fit
+
+
+def test_a_stuck_progress_poll_does_not_hang_the_epoch_end(monkeypatch, caplog, capsys):
+    """The progress thread's read of `iterations` can hang on a dead ps: joining it is bounded."""
+    import threading
+    import time
+
+    from kfit_ps.training import progress
+
+    monkeypatch.setattr(progress, "_JOIN_SECONDS", 0.5)
+    stuck = threading.Event()
+    release = threading.Event()
+
+    def counter():
+        stuck.set()
+        release.wait(30)  # like an RPC to a ps that never answers
+        return 5
+
+    bar = progress.Progress(verbose=1, epochs=1, steps=10)
+    monkeypatch.setattr("kfit_ps.constants.progress_interval", lambda: 0.01)
+    bar.epoch_begin(0, counter)
+    assert stuck.wait(10)
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="kfit_ps"):
+        bar.epoch_end({"loss": 1.0})
+    assert time.monotonic() - started < 5
+    assert "did not return" in caplog.text
+    release.set()
+    assert "10/10" in capsys.readouterr().out

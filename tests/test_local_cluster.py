@@ -182,3 +182,47 @@ def test_port_taken_before_the_server_binds_is_retried(monkeypatch, children_rea
             assert len(calls) == 6  # 3 addresses per attempt, 2 attempts
     finally:
         squatter.close()
+
+
+def test_kill_with_a_signal_the_server_ignores_is_bounded(children_reaped):
+    import time
+
+    with LocalCluster(num_workers=1, num_ps=1) as cluster:
+        pid = cluster.pid("worker", 0)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError) as e:
+            cluster.kill("worker", 0, sig=signal.SIGWINCH, timeout=1.0)  # ignored by default
+        assert time.monotonic() - started < 10
+        assert "SIGWINCH" in str(e.value) and "sig=SIGKILL" in str(e.value)
+        assert psutil.pid_exists(pid)  # left running, and stopped with the cluster
+    assert helpers.wait_for_no_servers([pid], timeout=10) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0.0, 0.005, 0.05])
+def test_restart_racing_stop_leaves_no_server(children_reaped, delay):
+    import threading
+    import time
+
+    cluster = LocalCluster(num_workers=1, num_ps=1).start()
+    cluster.kill("worker", 0)
+    outcome = []
+
+    def restart():
+        try:
+            cluster.restart("worker", 0)
+            outcome.append("restarted")
+        except RuntimeError as e:
+            outcome.append(str(e))
+
+    thread = threading.Thread(target=restart)
+    thread.start()
+    time.sleep(delay)
+    cluster.stop()
+    thread.join(60)
+    assert not thread.is_alive()
+    assert len(outcome) == 1
+    assert outcome[0] == "restarted" or "was stopped" in outcome[0] or "exited" in outcome[0]
+    assert cluster.pids() == []
+    with pytest.raises(RuntimeError, match="was stopped"):
+        cluster.restart("worker", 0)

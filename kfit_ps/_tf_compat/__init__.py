@@ -9,7 +9,7 @@ one place, with a clear message.
 """
 
 from kfit_ps._tf_compat.versions import SUPPORTED, check_versions
-from kfit_ps._tf_compat.eager_context import forget_servers
+from kfit_ps._tf_compat.eager_context import forget_servers, track_coordinator
 from kfit_ps._tf_compat.keras_variables import (
     install_atomic_updates,
     is_kfit_variable,
@@ -63,4 +63,5 @@ __all__ = [
     "model_strategy",
     "storage",
     "symbolic_build",
+    "track_coordinator",
 ]

@@ -6,14 +6,41 @@ deleted later, a notebook's next cell) and logs four lines of gRPC errors per
 function and server. Shrinking the eager context's cluster to the chief alone
 (TensorFlow's own cluster-update path, used when workers are replaced) leaves
 nothing to talk to.
+
+That update must never run beside another one. A `ClusterCoordinator`
+recovering a lost worker calls `context.update_server_def` from its
+`WorkerPreemptionHandler` thread, under the handler's `_cluster_update_lock`;
+two concurrent updates crash the process (a segfault, seen when a
+`LocalCluster` stopped right after a worker was restarted). So
+`forget_servers` first stops every coordinator this process made
+(`track_coordinator`) from starting more work, then takes each handler's
+lock (waiting a bounded time for a recovery in progress), releases
+functions and updates the cluster under those locks, and lets the handler
+threads end. If a recovery does not finish in time (its worker never came
+back), the disconnect is skipped: some log noise at exit, never a crash or
+a hang.
 """
 
+import gc
 import logging
+import time
+import weakref
 
 from tensorflow.core.protobuf import tensorflow_server_pb2
 from tensorflow.python.eager import context
 
+from kfit_ps._tf_compat.versions import check_versions
+
 log = logging.getLogger("kfit_ps.cluster")
+
+_coordinators = weakref.WeakSet()
+_RECOVERY_WAIT_SECONDS = 10.0
+
+
+def track_coordinator(coordinator):
+    """Remembers a `ClusterCoordinator` so `forget_servers` can quiesce it first."""
+    _coordinators.add(coordinator)
+    return coordinator
 
 
 def _remote_addresses(server_def):
@@ -21,25 +48,61 @@ def _remote_addresses(server_def):
             for address in job.tasks.values()}
 
 
-def forget_servers(addresses):
-    """Disconnects this process from a cluster that contains any of `addresses`.
+def _stop_scheduling(coordinator):
+    """TensorFlow's `Cluster.stop()` without its unbounded wait for the handler's lock."""
+    cluster = coordinator._cluster
+    cluster.failure_handler._should_preemption_thread_run = False
+    for worker in cluster.workers:
+        worker.stop()
+    cluster.closure_queue.stop()
+    cluster.resource_cancellation_mgr.start_cancel()
+    return cluster.failure_handler
 
-    Returns True when the eager context was connected to one of them and now
-    only knows its own task; False when it was not connected to them.
-    """
-    ctx = context.context()
-    server_def = ctx.get_server_def()
-    if server_def is None or not _remote_addresses(server_def) & set(addresses):
-        return False
+
+def _alone(server_def):
     alone = tensorflow_server_pb2.ServerDef()
     alone.CopyFrom(server_def)
     own_job = [job for job in alone.cluster.job if job.name == server_def.job_name]
     del alone.cluster.job[:]
     alone.cluster.job.extend(own_job)
     alone.default_session_config.ClearField("device_filters")
-    try:
-        ctx.update_server_def(alone)
-    except Exception as e:  # noqa: BLE001 - only the exit-time log noise is at stake
-        log.debug("kfit_ps: could not disconnect from the stopped cluster: %s", e)
+    return alone
+
+
+def forget_servers(addresses, recovery_wait=_RECOVERY_WAIT_SECONDS):
+    """Disconnects this process from a cluster that contains any of `addresses`.
+
+    Call it while the servers still run. Returns True when the eager context
+    was connected to one of them and now only knows its own task; False when
+    it was not connected to them, or when a worker recovery did not finish
+    within `recovery_wait` seconds (nothing is changed then).
+    """
+    check_versions()
+    ctx = context.context()
+    server_def = ctx.get_server_def()
+    if server_def is None or not _remote_addresses(server_def) & set(addresses):
         return False
-    return True
+    handlers = [_stop_scheduling(c) for c in list(_coordinators)]
+    held = []
+    deadline = time.monotonic() + recovery_wait
+    try:
+        for handler in handlers:
+            if not handler._cluster_update_lock.acquire(
+                    timeout=max(0.0, deadline - time.monotonic())):
+                log.debug("kfit_ps: a worker recovery is still running; not disconnecting")
+                return False
+            held.append(handler)
+            handler._cluster_due_for_update_or_finish.set()  # its thread then ends
+        # Release what this process registered on the servers while they still answer.
+        gc.collect()
+        try:
+            ctx.update_server_def(_alone(server_def))
+        except Exception as e:  # noqa: BLE001 - only the exit-time log noise is at stake
+            log.debug("kfit_ps: could not disconnect from the stopped cluster: %s", e)
+            return False
+        return True
+    finally:
+        for handler in held:
+            handler._cluster_update_lock.release()
+        for handler in held:
+            handler._preemption_handler_thread.join(max(0.0, deadline - time.monotonic()))

@@ -24,7 +24,6 @@ with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
 """
 
 import atexit
-import gc
 import logging
 import os
 import shutil
@@ -46,6 +45,7 @@ log = logging.getLogger("kfit_ps.cluster")
 _LIVE_CLUSTERS = weakref.WeakSet()
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _STOP_GRACE_SECONDS = 5.0
+_KILL_WAIT_SECONDS = 30.0
 _START_ATTEMPTS = 3
 # What a TensorFlow server logs when its port is taken.
 _BIND_FAILURES = ("Failed to add port", "Could not start gRPC server", "Address already in use")
@@ -88,7 +88,8 @@ class LocalCluster:
         self._logs = {}
         self._log_start = {}
         self._log_dir = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # Guards _procs, _logs and _stopped.
+        self._stopped = False
         self.config = None
 
     # Lifecycle -------------------------------------------------------------------------------
@@ -102,6 +103,8 @@ class LocalCluster:
                                         task_type=constants.CHIEF, task_index=0,
                                         source="LocalCluster")
             self._log_dir = tempfile.mkdtemp(prefix="kfit_ps-cluster-")
+            with self._lock:
+                self._stopped = False
             _LIVE_CLUSTERS.add(self)
             try:
                 for task_type, index in self._server_tasks():
@@ -121,15 +124,23 @@ class LocalCluster:
         return self
 
     def stop(self):
-        """Terminates every server process and waits for them; idempotent."""
+        """Terminates every server process and waits for them; idempotent.
+
+        A `restart()` running in another thread either finishes before (and its
+        server is stopped here) or fails with a RuntimeError: no server outlives
+        the cluster.
+        """
         with self._lock:
+            self._stopped = True
             procs = list(self._procs.values())
             self._procs.clear()
+            logs = list(self._logs.values())
+            self._logs.clear()
         if procs and self.config is not None:
             # Release what this process registered on the servers while they can still answer,
             # then stop talking to them; otherwise TensorFlow logs gRPC errors for each
-            # function released later (see _tf_compat.forget_servers).
-            gc.collect()
+            # function released later. Waits (bounded) for a worker recovery in progress,
+            # which must not overlap (see _tf_compat.forget_servers).
             _tf_compat.forget_servers(
                 [self.config.address(t, i) for t, i in self._server_tasks()])
         for p in procs:
@@ -142,9 +153,8 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        for f in self._logs.values():
+        for f in logs:
             f.close()
-        self._logs.clear()
         if self._log_dir is not None:
             shutil.rmtree(self._log_dir, ignore_errors=True)
             self._log_dir = None
@@ -159,12 +169,23 @@ class LocalCluster:
 
     # Fault injection -----------------------------------------------------------------------
 
-    def kill(self, task_type, index, sig=signal.SIGKILL):
-        """Kills one server process (SIGKILL by default) and waits until it is gone."""
+    def kill(self, task_type, index, sig=signal.SIGKILL, timeout=_KILL_WAIT_SECONDS):
+        """Sends `sig` (SIGKILL by default) to one server and waits until it is gone.
+
+        Raises TimeoutError if the process still runs after `timeout` seconds
+        (it ignores or handles `sig`); it is then left running, and `stop()`
+        ends it.
+        """
         proc = self._proc(task_type, index)
         if proc.poll() is None:
             proc.send_signal(sig)
-        proc.wait()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(
+                f"LocalCluster.kill: server {task_type}:{index} (pid {proc.pid}) still runs "
+                f"{timeout:g} s after {signal.Signals(sig).name}: it ignores or handles that "
+                "signal. Use the default sig=SIGKILL, or pass a longer timeout.") from None
 
     def restart(self, task_type, index):
         """Starts a killed server again at the same address; waits until it serves."""
@@ -224,6 +245,7 @@ class LocalCluster:
         self._require_started("kill/restart")
         key = (task_type, index)
         with self._lock:
+            self._check_not_stopped()
             if key not in self._procs:
                 raise ValueError(
                     f"LocalCluster has no server {task_type}:{index}. Servers: "
@@ -231,11 +253,14 @@ class LocalCluster:
                 )
             return self._procs[key]
 
+    def _check_not_stopped(self):
+        if self._stopped:
+            raise RuntimeError("LocalCluster was stopped: its servers cannot be killed or "
+                               "restarted any more. Start a new LocalCluster.")
+
     def _spawn(self, task_type, index):
         key = (task_type, index)
         path = self._log_path(task_type, index)
-        if key not in self._logs:
-            self._logs[key] = open(path, "ab")
         env = dict(os.environ)
         env.pop(constants.TF_CONFIG, None)
         # Servers run the same kfit_ps code as this launcher, whatever else is installed.
@@ -246,12 +271,15 @@ class LocalCluster:
         cmd = [sys.executable, "-m", "kfit_ps.cluster._server_main",
                self.config.to_tf_config(task_type, index), str(os.getpid()), str(self._threads),
                path]
-        self._logs[key].flush()
-        self._log_start[key] = os.path.getsize(path)  # this incarnation's log starts here
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._logs[key],
-                                stderr=subprocess.STDOUT, env=env)
-        with self._lock:
-            self._procs[key] = proc
+        with self._lock:  # With stop(): a server is spawned before it, or not at all.
+            self._check_not_stopped()
+            if key not in self._logs:
+                self._logs[key] = open(path, "ab")
+            self._logs[key].flush()
+            self._log_start[key] = os.path.getsize(path)  # this incarnation's log starts here
+            self._procs[key] = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=self._logs[key], stderr=subprocess.STDOUT,
+                env=env)
 
     def _log_path(self, task_type, index):
         return os.path.join(self._log_dir, f"{task_type}-{index}.log")

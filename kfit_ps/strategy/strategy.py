@@ -112,7 +112,8 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     @property
     def coordinator(self):
         """This strategy's `tf.distribute.experimental.coordinator.ClusterCoordinator`."""
-        return tf.distribute.experimental.coordinator.ClusterCoordinator(self)
+        return _tf_compat.track_coordinator(
+            tf.distribute.experimental.coordinator.ClusterCoordinator(self))
 
     @property
     def num_workers(self):

@@ -8,11 +8,15 @@ poll is one small variable read; workers never wait for it.
 """
 
 import contextlib
+import logging
 import threading
 
 from keras.utils import Progbar
 
 from kfit_ps import _tf_compat, constants
+
+log = logging.getLogger("kfit_ps.training")
+_JOIN_SECONDS = 5.0
 
 
 def resolve_verbose(verbose):
@@ -56,14 +60,23 @@ class Progress:
                 done = counter()
             except Exception:  # noqa: BLE001 - a failed poll must never break training
                 continue
-            if done is not None and 0 < done < self.steps:
+            if done is not None and 0 < done < self.steps and not self._stop.is_set():
                 self._bar.update(done)
 
     def stop_polling(self):
-        """Stops the polling thread; idempotent (call it in a `finally`)."""
+        """Stops the polling thread; idempotent (call it in a `finally`).
+
+        Waits at most `_JOIN_SECONDS`: a poll can be stuck in a read from a
+        ps that died. The thread is then left behind (it is a daemon, and
+        draws nothing once stopped).
+        """
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(_JOIN_SECONDS)
+            if self._thread.is_alive():
+                log.warning("kfit_ps: the progress bar's read of the step counter did not "
+                            "return within %.0f s (a ps may be unreachable); continuing "
+                            "without it.", _JOIN_SECONDS)
             self._thread = None
 
     @contextlib.contextmanager
