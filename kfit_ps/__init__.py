@@ -4,6 +4,8 @@ Importing kfit_ps routes `Model.fit` / `evaluate` / `predict` of models built
 under a `kfit_ps.ParameterServerStrategy` scope to the parameter-server loop,
 and makes `assign_add` / `assign_sub` of Keras variables created under that
 scope atomic on the ps. Nothing changes for other models and variables.
+It also keeps TensorFlow's C++ log lines off standard error
+(`kfit_ps.tf_logs`; `KFIT_PS_TF_LOGS=1` shows them).
 
 ```python
 import kfit_ps
@@ -19,6 +21,10 @@ with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
 import os as _os
 
 _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+from kfit_ps import tf_logs as _tf_logs  # noqa: E402
+
+_tf_logs.install()  # Before TensorFlow is imported: its C++ log lines stay off stderr.
 
 from kfit_ps import training as _training  # noqa: E402
 from kfit_ps.cluster.local import LocalCluster  # noqa: E402

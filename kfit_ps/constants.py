@@ -1,8 +1,9 @@
 """Every setting kfit_ps reads from the environment, in one place.
 
-Each setting has a documented default; nothing else in the package reads
-`os.environ` except `TF_CONFIG` resolution (`kfit_ps.cluster.tf_config`),
-which follows TensorFlow's own convention.
+Each setting has a documented default and is read through a function here;
+`TF_CONFIG` is parsed by `kfit_ps.cluster.spec.ClusterConfig.from_tf_config`
+(TensorFlow's convention). `import kfit_ps` sets `KERAS_BACKEND` when unset,
+and `LocalCluster` passes the environment on to its servers.
 
 | variable | default | meaning |
 | --- | --- | --- |
@@ -16,7 +17,8 @@ which follows TensorFlow's own convention.
 | `KFIT_PS_LOG_LEVEL` | `WARNING` | log level of the `kfit_ps` logger in the `kfit-ps` commands (a program that imports kfit_ps sets its own) |
 | `KFIT_PS_WORKERS` | `2` | default `--workers` of `kfit-ps quickstart` and `kfit-ps local` |
 | `KFIT_PS_PS` | `2` (quickstart), `1` (local) | default `--ps` of those commands |
-| `TF_CPP_MIN_LOG_LEVEL` | `2` in `kfit-ps` and servers' `1` | TensorFlow's own C++ log filter; set it to override |
+| `KFIT_PS_TF_LOGS` | unset | `1`: show TensorFlow's C++ log lines on standard error (`kfit_ps.tf_logs` drops them) |
+| `TF_CPP_MIN_LOG_LEVEL` | servers: `1` | TensorFlow's own C++ log filter (servers log to their files); set it to override |
 """
 
 import os
@@ -32,6 +34,7 @@ LOG_LEVEL_ENV = "KFIT_PS_LOG_LEVEL"
 EVALUATOR_IDLE_TIMEOUT_ENV = "KFIT_PS_EVALUATOR_IDLE_TIMEOUT"
 WORKERS_ENV = "KFIT_PS_WORKERS"
 PS_ENV = "KFIT_PS_PS"
+TF_LOGS_ENV = "KFIT_PS_TF_LOGS"
 
 DEFAULT_STARTUP_TIMEOUT = 120.0
 DEFAULT_PARENT_POLL = 0.5
@@ -105,6 +108,11 @@ def worker_inter_op_threads(num_workers):
     if value > 0:
         return value
     return max(4, num_workers + 1, os.cpu_count() or 1)
+
+
+def show_tf_logs():
+    """Whether TensorFlow's C++ log lines should reach standard error."""
+    return os.environ.get(TF_LOGS_ENV, "") not in ("", "0")
 
 
 def log_level():

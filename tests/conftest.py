@@ -44,6 +44,13 @@ def no_orphan_servers():
     assert leftover == [], f"kfit_ps server processes left running: {leftover}"
 
 
+@pytest.fixture(autouse=True)
+def no_stray_children():
+    """Every process a test spawned (`helpers.popen`) is gone after it, passed or failed."""
+    yield
+    helpers.reap_spawned()
+
+
 @pytest.fixture
 def children_reaped():
     """Asserts a test leaves none of the server processes it started behind."""

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -60,6 +61,43 @@ def wait_listening(address, proc, timeout=90):
     raise AssertionError(f"{address} never listened")
 
 
+_spawned = []
+
+
+def _default_sigint():
+    # A suite run from `nohup` or a background job inherits an ignored SIGINT; the children
+    # that tests interrupt (Ctrl-C) must get Python's KeyboardInterrupt as in a terminal.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def popen(args, **kwargs):
+    """`subprocess.Popen` for tests: default SIGINT in the child, reaped after the test."""
+    proc = subprocess.Popen(args, preexec_fn=_default_sigint, **kwargs)
+    _spawned.append((proc, kwargs.get("start_new_session", False)))
+    return proc
+
+
+def reap_spawned(timeout=10):
+    """Kills (with their process group, if they lead one) the test's children still running."""
+    left = []
+    while _spawned:
+        proc, leads_group = _spawned.pop()
+        if proc.poll() is None:
+            left.append(proc.pid)
+            try:
+                if leads_group:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                else:
+                    proc.kill()
+            except ProcessLookupError:
+                pass
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    return left
+
+
 def chief_env():
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
@@ -84,7 +122,7 @@ def run_chief(code, timeout=240):
     """)
     proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)],
                           capture_output=True, text=True, timeout=timeout, env=chief_env(),
-                          cwd=ROOT)
+                          cwd=ROOT, preexec_fn=_default_sigint)
     for line in proc.stdout.splitlines():
         if RESULT_PREFIX in line:  # a progress bar may precede it on the same line
             result = json.loads(line.split(RESULT_PREFIX, 1)[1])

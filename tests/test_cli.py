@@ -14,7 +14,7 @@ def kfit_ps_cli(*args, env_extra=None, **kwargs):
     env = helpers.chief_env()
     env.pop("TF_CONFIG", None)
     env.update(env_extra or {})
-    return subprocess.Popen([sys.executable, "-m", "kfit_ps.cli.main", *args], env=env,
+    return helpers.popen([sys.executable, "-m", "kfit_ps.cli.main", *args], env=env,
                             cwd=helpers.ROOT, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, **kwargs)
 

@@ -101,7 +101,7 @@ def test_backup_and_restore_resumes_after_the_coordinator_is_sigkilled(tmp_path)
     script.write_text(prelude + RESUMABLE_JOB)
     backup_dir = str(tmp_path / "backup")
     env = dict(helpers.chief_env(), KFIT_PS_TEST_PAUSE="1")
-    chief = subprocess.Popen([sys.executable, str(script), backup_dir], stdout=subprocess.PIPE,
+    chief = helpers.popen([sys.executable, str(script), backup_dir], stdout=subprocess.PIPE,
                              text=True, env=env, cwd=helpers.ROOT)
     pids = []
     try:

@@ -93,7 +93,7 @@ def test_ctrl_c_during_fit_exits_promptly_and_stops_servers():
     import sys
     import time
 
-    proc = subprocess.Popen([sys.executable, "-c", FIT_FOREVER], stdout=subprocess.PIPE,
+    proc = helpers.popen([sys.executable, "-c", FIT_FOREVER], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=helpers.chief_env(),
                             cwd=helpers.ROOT, start_new_session=True)
     try:
@@ -190,7 +190,7 @@ def test_leaving_the_cluster_while_a_worker_recovers_never_crashes():
     import subprocess
     import sys
 
-    burners = [subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 150\n"
+    burners = [helpers.popen([sys.executable, "-c", "import time\nend = time.time() + 150\n"
                                  "while time.time() < end: pass"]) for _ in range(2)]
     try:
         for _ in range(5):

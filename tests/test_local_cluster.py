@@ -102,7 +102,7 @@ OWNER = textwrap.dedent("""
 
 
 def _start_owner():
-    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True,
+    owner = helpers.popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True,
                              env=helpers.chief_env(), cwd=helpers.ROOT, start_new_session=True)
     line = owner.stdout.readline()
     assert line, "owner process printed no pids"

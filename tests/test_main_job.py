@@ -10,9 +10,27 @@ import pytest
 from tests import helpers
 
 
-def run_and_watch(args, timeout=300):
+# Output that neither kfit_ps nor Keras writes: TensorFlow's C++ and Python logs, gRPC, absl.
+FOREIGN = re.compile(r"^[IWEF]\d{4} |absl|tensorflow|oneDNN|cuda|grpc|Please report", re.I)
+
+
+def user_env():
+    """The environment of a user who set nothing (no TF_CPP_MIN_LOG_LEVEL either)."""
+    env = helpers.chief_env()
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    env.pop("KFIT_PS_TF_LOGS", None)
+    return env
+
+
+def foreign_lines(out):
+    lines = [line for line in out.replace("\r", "\n").splitlines()
+             if not line.startswith(("kfit_ps", "kfit-ps"))]
+    return [line for line in lines if FOREIGN.search(line)]
+
+
+def run_and_watch(args, timeout=300, env=None):
     """Runs a command, recording every kfit_ps server it starts; returns (proc, out, pids)."""
-    proc = subprocess.Popen(args, env=helpers.chief_env(), cwd=helpers.ROOT, text=True,
+    proc = helpers.popen(args, env=env or helpers.chief_env(), cwd=helpers.ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     pids = set()
     while proc.poll() is None:
@@ -30,8 +48,10 @@ def run_and_watch(args, timeout=300):
 
 @pytest.mark.slow
 def test_quickstart_main_job_learns_and_leaves_nothing():
-    proc, out, pids = run_and_watch([sys.executable, "-m", "kfit_ps.cli.main", "quickstart"])
+    proc, out, pids = run_and_watch([sys.executable, "-m", "kfit_ps.cli.main", "quickstart"],
+                                    env=user_env())
     assert proc.returncode == 0, out[-3000:]
+    assert foreign_lines(out) == [], out[-3000:]  # only kfit_ps's and Keras' output
     assert len(pids) == 4  # 2 workers + 2 ps, real processes
     match = re.search(r"held-out: auc=([0-9.]+) loss=([0-9.]+) \(steps trained: (\d+)", out)
     assert match, out[-3000:]
@@ -78,3 +98,30 @@ def test_readme_quick_start_has_exactly_two_commands_and_ci_runs_the_second():
     assert "pip install" in lines[1] and "[test]" in lines[1] and "pytest" in lines[1]
     ci = open(f"{helpers.ROOT}/.ci/run").read()
     assert lines[1] in ci
+
+
+def test_help_prints_no_tensorflow_logs_and_the_switch_brings_them_back():
+    quiet = subprocess.run([sys.executable, "-m", "kfit_ps.cli.main", "--help"], text=True,
+                           capture_output=True, env=user_env(), cwd=helpers.ROOT, timeout=120)
+    assert quiet.returncode == 0 and "usage: kfit-ps" in quiet.stdout
+    assert foreign_lines(quiet.stdout + quiet.stderr) == [], quiet.stderr
+    loud = subprocess.run([sys.executable, "-m", "kfit_ps.cli.main", "--help"], text=True,
+                          capture_output=True, env=dict(user_env(), KFIT_PS_TF_LOGS="1"),
+                          cwd=helpers.ROOT, timeout=120)
+    assert loud.returncode == 0 and foreign_lines(loud.stderr)  # TensorFlow's own lines
+
+
+def test_filtered_stderr_keeps_tracebacks_and_partial_lines():
+    """Only TensorFlow's C++ log lines are dropped: an error's traceback gets through whole."""
+    code = ("import sys, kfit_ps\n"
+            "sys.stderr.write('progress 1/2\\r'); sys.stderr.flush()\n"
+            "import os; os.write(2, b'I0000 00:00:17.5  12 port.cc:153] dropped\\n')\n"
+            "raise ValueError('the user sees this')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, env=user_env(),
+                          cwd=helpers.ROOT, timeout=120)
+    err = proc.stderr.decode()
+    assert proc.returncode == 1
+    assert "progress 1/2\r" in err
+    assert "Traceback (most recent call last)" in err
+    assert "ValueError: the user sees this" in err
+    assert foreign_lines(err) == [], err

@@ -23,7 +23,7 @@ def test_fit_on_kfit_ps_servers_configured_by_tf_config():
                 env = helpers.chief_env()
                 env["TF_CONFIG"] = json.dumps({"cluster": cluster,
                                                "task": {"type": task_type, "index": index}})
-                proc = subprocess.Popen([sys.executable, "-m", "kfit_ps.cli.main", "server"],
+                proc = helpers.popen([sys.executable, "-m", "kfit_ps.cli.main", "server"],
                                         env=env, cwd=helpers.ROOT, text=True,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
                 servers.append(proc)

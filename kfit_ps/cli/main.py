@@ -13,16 +13,13 @@ effective configuration is printed at start.
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
 import threading
 
-# This is the program's entry point: quieten TensorFlow's C++ start-up chatter unless the
-# user asked for it (must happen before TensorFlow is imported, which `kfit_ps` does).
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-from kfit_ps import constants  # noqa: E402
+from kfit_ps import constants  # noqa: E402 - imports kfit_ps, which keeps TF's C++ logs quiet
 
 
 def _flag_error(parser, flag, value, fix):
@@ -215,7 +212,18 @@ def build_parser():
     return parser
 
 
+def _configure_logging():
+    """The `kfit_ps` logger's messages, plain, at `KFIT_PS_LOG_LEVEL` (this is the application)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("kfit_ps")
+    logger.addHandler(handler)
+    logger.setLevel(constants.log_level())
+    logger.propagate = False
+
+
 def main(argv=None):
+    _configure_logging()
     parser = build_parser()
     args = parser.parse_args(argv)
     status = args.handler(args, parser)
