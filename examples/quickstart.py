@@ -1,6 +1,7 @@
 """Keras 3 model.fit on a parameter-server cluster of real TensorFlow servers.
 
 Run: python examples/quickstart.py
+Or, supervised (restarts lost tasks): kfit-ps run --workers 2 --ps 2 -- python examples/quickstart.py
 """
 
 import keras
@@ -30,8 +31,8 @@ def build_model():
     return keras.Model({"user": user, "item": item}, keras.layers.Dense(1, "sigmoid")(x))
 
 
-def train(cluster):
-    strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+def train(cluster_resolver):
+    strategy = kfit_ps.ParameterServerStrategy(cluster_resolver)
     with strategy.scope():  # Variables, optimizer and metrics live on the ps tasks.
         model = build_model()
         model.compile(keras.optimizers.Adam(0.01), "binary_crossentropy",
@@ -42,6 +43,7 @@ def train(cluster):
 
 
 if __name__ == "__main__":
-    with kfit_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
-        history = train(cluster)
+    # Under `kfit-ps run`, the launcher's servers; otherwise a LocalCluster for this block.
+    with kfit_ps.job_cluster(num_workers=2, num_ps=2) as resolver:
+        history = train(resolver)
     print(f"final training AUC: {history['auc'][-1]:.3f}")

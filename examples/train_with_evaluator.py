@@ -8,6 +8,7 @@ CHECKPOINT_DIR/validation, exports the best model, and stops when training
 has finished.
 
 Run: python examples/train_with_evaluator.py [CHECKPOINT_DIR]
+Or, supervised: kfit-ps run --workers 2 --ps 1 -- python examples/train_with_evaluator.py
 """
 
 import json
@@ -58,9 +59,11 @@ def held_out_data():
     return tf.data.Dataset.from_tensor_slices((features, clicks)).batch(1024)
 
 
-def start_evaluator(cluster, checkpoint_dir):
+def start_evaluator(cluster_resolver, checkpoint_dir):
     # The evaluator task is outside the training cluster: it only reads checkpoints.
-    env = dict(os.environ, TF_CONFIG=cluster.config.to_tf_config("evaluator", 0))
+    tf_config = {"cluster": cluster_resolver.cluster_spec().as_dict(),
+                 "task": {"type": "evaluator", "index": 0}}
+    env = dict(os.environ, TF_CONFIG=json.dumps(tf_config))
     return subprocess.Popen(
         [sys.executable, "-m", "kfit_ps.cli.main", "evaluator", "--checkpoint-dir",
          checkpoint_dir, "--model-fn", f"{HERE}:build_model", "--data-fn",
@@ -71,9 +74,9 @@ def start_evaluator(cluster, checkpoint_dir):
 def main(checkpoint_dir):
     evaluator = None
     try:
-        with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
-            evaluator = start_evaluator(cluster, checkpoint_dir)
-            strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+        with kfit_ps.job_cluster(num_workers=2, num_ps=1) as resolver:
+            evaluator = start_evaluator(resolver, checkpoint_dir)
+            strategy = kfit_ps.ParameterServerStrategy(resolver)
             with strategy.scope():
                 model = build_model()
             checkpoint = kfit_ps.callbacks.ModelCheckpoint(

@@ -26,27 +26,41 @@ from kfit_ps import tf_logs as _tf_logs  # noqa: E402
 
 _tf_logs.install()  # Before TensorFlow is imported: its C++ log lines stay off stderr.
 
+from kfit_ps import constants as _constants  # noqa: E402
+from kfit_ps import errors  # noqa: E402
 from kfit_ps import training as _training  # noqa: E402
+from kfit_ps.cluster.job import job_cluster  # noqa: E402
 from kfit_ps.cluster.local import LocalCluster  # noqa: E402
 from kfit_ps.cluster.spec import ClusterConfig  # noqa: E402
 from kfit_ps.strategy import ParameterServerStrategy, shards  # noqa: E402
 from kfit_ps import partitioners  # noqa: E402
 from kfit_ps.training import DatasetCreator, SidecarEvaluator, export_saved_model  # noqa: E402
 from kfit_ps import callbacks  # noqa: E402
+from kfit_ps.errors import ClusterError, ParameterServerError, WorkersLostError  # noqa: E402
+from kfit_ps.launch import LaunchConfig, run  # noqa: E402
 
 __version__ = "0.1.0"
 
 _training.install()
+if _constants.launched():  # A chief of `kfit-ps run`: a ClusterError exits with status 75.
+    errors.exit_with_status_on_cluster_error()
 
 __all__ = [
     "ClusterConfig",
+    "ClusterError",
     "DatasetCreator",
+    "LaunchConfig",
     "LocalCluster",
+    "ParameterServerError",
     "ParameterServerStrategy",
     "SidecarEvaluator",
+    "WorkersLostError",
     "__version__",
     "callbacks",
+    "errors",
     "export_saved_model",
+    "job_cluster",
     "partitioners",
+    "run",
     "shards",
 ]

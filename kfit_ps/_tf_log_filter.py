@@ -1,7 +1,8 @@
 """Copies standard input to standard output without TensorFlow's C++ log lines.
 
-Run as a script (`python -I -S _tf_log_filter.py`), never imported through
-the `kfit_ps` package: it must start fast and import nothing. Its input is
+Run as a script (`python -I -S _tf_log_filter.py`): it must start fast and
+import nothing. (`kfit-ps run` also imports `is_tf_log_line` for the chief's
+output.) Its input is
 the chief's standard error (see `kfit_ps.tf_logs`). It drops TensorFlow's
 C++ INFO, WARNING and ERROR lines (`I0000 00:00:... file.cc:12] ...`, absl's
 "All log messages before absl::InitializeLog()" notice and the known
@@ -20,11 +21,15 @@ import sys
 _HEADER = re.compile(rb"^[IWE]\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ [^\s:\]]+:\d+\] ")
 _STARTS_LIKE_HEADER = re.compile(rb"^[IWE](\d|$)")
 _ABSL_NOTICE = b"WARNING: All log messages before absl::InitializeLog() is called"
-_CONTINUATIONS = (b"To enable the following instructions:",)
+# How the later lines of TensorFlow's multi-line log messages start (gRPC error details).
+_CONTINUATIONS = (b"To enable the following instructions:", b"Additional GRPC error information",
+                  b":UNKNOWN:", b"This could happen if the remote target",
+                  b"\tAdditional GRPC error information")
 _SEGMENT_END = re.compile(rb"(?<=[\r\n])")
 
 
-def _dropped(line, previous_dropped):
+def is_tf_log_line(line, previous_dropped=False):
+    """Whether `line` (bytes) is one of TensorFlow's C++ log lines (or a continuation)."""
     if _HEADER.match(line) or line.startswith(_ABSL_NOTICE):
         return True
     return previous_dropped and line.startswith(_CONTINUATIONS)
@@ -58,14 +63,14 @@ def main():
         segments = _SEGMENT_END.split(pending)
         pending = segments.pop()
         for segment in segments:
-            dropped = _dropped(segment, dropped)
+            dropped = is_tf_log_line(segment, dropped)
             if not dropped:
                 out.write(segment)
         if pending and not _could_become_dropped(pending):
             out.write(pending)  # A partial line that cannot be a log line: now, not later.
             pending = b""
         out.flush()
-    if pending and not _dropped(pending, dropped):
+    if pending and not is_tf_log_line(pending, dropped):
         out.write(pending)
     out.flush()
 

@@ -12,6 +12,11 @@ and `LocalCluster` passes the environment on to its servers.
 | `KFIT_PS_STARTUP_TIMEOUT` | `120` | seconds a `LocalCluster` waits for its servers to start serving |
 | `KFIT_PS_PARENT_POLL` | `0.5` | seconds between a server's checks that its launcher is alive |
 | `KFIT_PS_WORKER_INTER_OP_THREADS` | `0` | inter-op threads of a worker server; 0 = max(4, workers + 1, cores) |
+| `KFIT_PS_WORKER_TIMEOUT` | `300` | seconds `fit`/`evaluate`/`predict` wait while every worker is unreachable, then raise `WorkersLostError` |
+| `KFIT_PS_LAUNCHED` | unset | set by `kfit-ps run` in the chief: an uncaught `ClusterError` exits with status 75 |
+| `KFIT_PS_BACKUP_DIR` | unset | set by `kfit-ps run --backup-dir`: `fit` adds a `BackupAndRestore` there when the script has none |
+| `KFIT_PS_BACKUP_FREQ` | `epoch` | its `save_freq` (`epoch` or a number of steps) |
+| `KFIT_PS_RUN_DIR` | unset | set by `kfit-ps run` in the chief: the run directory (logs, `tasks.json`) |
 | `KFIT_PS_PROGRESS_INTERVAL` | `0.25` | seconds between progress-bar updates during `fit` (no synchronisation) |
 | `KFIT_PS_EVALUATOR_IDLE_TIMEOUT` | `1800` | seconds a side-car evaluator waits for a new checkpoint in a directory that kfit_ps training does not write |
 | `KFIT_PS_LOG_LEVEL` | `WARNING` | log level of the `kfit_ps` logger in the `kfit-ps` commands (a program that imports kfit_ps sets its own) |
@@ -31,6 +36,11 @@ PARENT_POLL_ENV = "KFIT_PS_PARENT_POLL"
 WORKER_THREADS_ENV = "KFIT_PS_WORKER_INTER_OP_THREADS"
 PROGRESS_INTERVAL_ENV = "KFIT_PS_PROGRESS_INTERVAL"
 LOG_LEVEL_ENV = "KFIT_PS_LOG_LEVEL"
+WORKER_TIMEOUT_ENV = "KFIT_PS_WORKER_TIMEOUT"
+LAUNCHED_ENV = "KFIT_PS_LAUNCHED"
+BACKUP_DIR_ENV = "KFIT_PS_BACKUP_DIR"
+BACKUP_FREQ_ENV = "KFIT_PS_BACKUP_FREQ"
+RUN_DIR_ENV = "KFIT_PS_RUN_DIR"
 EVALUATOR_IDLE_TIMEOUT_ENV = "KFIT_PS_EVALUATOR_IDLE_TIMEOUT"
 WORKERS_ENV = "KFIT_PS_WORKERS"
 PS_ENV = "KFIT_PS_PS"
@@ -40,6 +50,7 @@ DEFAULT_STARTUP_TIMEOUT = 120.0
 DEFAULT_PARENT_POLL = 0.5
 DEFAULT_PROGRESS_INTERVAL = 0.25
 DEFAULT_EVALUATOR_IDLE_TIMEOUT = 1800.0
+DEFAULT_WORKER_TIMEOUT = 300.0
 
 # Task types understood by kfit_ps, in TensorFlow's naming.
 CHIEF = "chief"
@@ -91,6 +102,36 @@ def parent_poll_interval():
 
 def progress_interval():
     return _float(PROGRESS_INTERVAL_ENV, DEFAULT_PROGRESS_INTERVAL)
+
+
+def tf_config():
+    """The raw `TF_CONFIG` JSON, or None when unset or empty."""
+    return os.environ.get(TF_CONFIG) or None
+
+
+def launched():
+    """Whether this process is a chief started by `kfit-ps run`."""
+    return os.environ.get(LAUNCHED_ENV, "") not in ("", "0")
+
+
+def launcher_backup():
+    """(backup_dir, save_freq) that `kfit-ps run --backup-dir` asked for, or None."""
+    directory = os.environ.get(BACKUP_DIR_ENV)
+    if not directory:
+        return None
+    raw = os.environ.get(BACKUP_FREQ_ENV, "epoch") or "epoch"
+    if raw == "epoch":
+        return directory, "epoch"
+    try:
+        return directory, int(raw)
+    except ValueError:
+        raise ValueError(
+            f"Environment variable {BACKUP_FREQ_ENV} must be 'epoch' or a number of steps. "
+            f"Received: {BACKUP_FREQ_ENV}={raw!r}.") from None
+
+
+def worker_timeout():
+    return _float(WORKER_TIMEOUT_ENV, DEFAULT_WORKER_TIMEOUT)
 
 
 def evaluator_idle_timeout():

@@ -6,8 +6,12 @@ is initialised ignore it): six lines when it is imported, more when a chief
 connects to a cluster, and gRPC errors when it leaves one. A kfit_ps user
 should see kfit_ps's and Keras' output, and their own.
 
-`import kfit_ps` therefore calls `install()` before importing TensorFlow: the
-process's standard error (file descriptor 2) becomes a pipe to a small filter
+`import kfit_ps` therefore calls `install()` before importing TensorFlow. It
+raises the level of TensorFlow's Python logger (`tensorflow`) to CRITICAL:
+its error lines about workers that failed and recovered carry pages of gRPC
+text, and kfit_ps reports what matters as its own errors
+(`kfit_ps.errors`). And the process's standard error (file descriptor 2)
+becomes a pipe to a small filter
 process (`_tf_log_filter.py`) that drops those lines and passes everything
 else through unchanged, including Python tracebacks and TensorFlow's FATAL
 lines. The filter outlives a crash of this process long enough to copy its
@@ -19,6 +23,7 @@ standard error is not a pipe, a file or a terminal the filter is not
 installed either.
 """
 
+import logging
 import os
 import stat
 import subprocess
@@ -47,7 +52,10 @@ def install():
     """
     if _installed:
         return True
-    if constants.show_tf_logs() or not _filterable(2):
+    if constants.show_tf_logs():
+        return False
+    logging.getLogger("tensorflow").setLevel(logging.CRITICAL)
+    if not _filterable(2):
         return False
     sys.stderr.flush()
     read_end, write_end = os.pipe()

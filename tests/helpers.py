@@ -128,6 +128,7 @@ def run_chief(code, timeout=240):
             result = json.loads(line.split(RESULT_PREFIX, 1)[1])
             result["_returncode"] = proc.returncode
             result["_stdout"] = proc.stdout
+            result["_stderr"] = proc.stderr
             return result
     raise AssertionError(
         f"chief subprocess reported nothing (exit {proc.returncode}).\n"

@@ -4,7 +4,8 @@ import pytest
 
 from tests import helpers
 
-CHAOS = """
+# A chief on 2 workers + 1 ps with a small model; the code after it runs inside the `with`.
+CLUSTER_AND_MODEL = """
 import threading
 from tests import helpers as h
 
@@ -14,7 +15,9 @@ with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
         model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, activation="relu"),
                                   keras.layers.Dense(1)])
         model.compile(optimizer="adam", loss="mse", metrics=[h.counting_metric()])
-    events = []
+"""
+
+CHAOS = CLUSTER_AND_MODEL + """    events = []
     killed_pid = cluster.pid("worker", 0)
 
     def chaos():
@@ -150,17 +153,7 @@ def test_worker_lost_for_good_the_others_finish():
     assert result["eval_batches"] == 10.0
 
 
-RESTART_THEN_LEAVE = """
-import threading
-from tests import helpers as h
-
-with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
-    strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, activation="relu"),
-                                  keras.layers.Dense(1)])
-        model.compile(optimizer="adam", loss="mse")
-    iterations = model.optimizer.iterations
+RESTART_THEN_LEAVE = CLUSTER_AND_MODEL + """    iterations = model.optimizer.iterations
 
     def chaos():
         while int(iterations.numpy()) < 150:
@@ -200,3 +193,58 @@ def test_leaving_the_cluster_while_a_worker_recovers_never_crashes():
         for burner in burners:
             burner.kill()
             burner.wait()
+
+
+LOSE_TASKS = """
+from tests import helpers as h
+os.environ["KFIT_PS_WORKER_TIMEOUT"] = "4"
+with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+    strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    killed = []
+
+    class Lose(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 0:
+                for task in TASKS:
+                    cluster.kill(*task)
+                killed.append(time.monotonic())
+
+    try:
+        model.fit(kfit_ps.DatasetCreator(h.regression_dataset_fn()), epochs=3,
+                  steps_per_epoch=50, verbose=0, callbacks=[Lose()])
+        report(raised=None)
+    except kfit_ps.ClusterError as e:
+        report(raised=type(e).__name__, message=str(e), tasks=list(e.tasks),
+               seconds=time.monotonic() - killed[0])
+os._exit(0)
+"""
+
+
+def lose(tasks):
+    """Runs a 3-epoch fit whose `tasks` are killed after epoch 0; returns what it raised."""
+    return helpers.run_chief(LOSE_TASKS.replace("TASKS", repr(tasks)), timeout=240)
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+def test_fit_with_every_worker_gone_raises_within_the_timeout():
+    result = lose([("worker", 0), ("worker", 1)])
+    assert result["raised"] == "WorkersLostError", result
+    assert 4 <= result["seconds"] < 30
+    assert "for 4 s (worker_timeout)" in result["message"]
+    assert "KFIT_PS_WORKER_TIMEOUT" in result["message"]
+    assert result["tasks"] == ["worker:0", "worker:1"]
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+def test_a_lost_ps_stops_fit_promptly_with_a_typed_error():
+    result = lose([("ps", 0)])
+    assert result["raised"] == "ParameterServerError", result
+    assert result["tasks"] == ["ps:0"] and "ps:0" in result["message"]
+    assert result["seconds"] < 60
+    assert "GRPC" not in result["message"] and "BackupAndRestore" in result["message"]
+    assert "GRPC error information" not in result["_stdout"] + result["_stderr"]

@@ -226,3 +226,34 @@ def test_restart_racing_stop_leaves_no_server(children_reaped, delay):
     assert cluster.pids() == []
     with pytest.raises(RuntimeError, match="was stopped"):
         cluster.restart("worker", 0)
+
+
+SCRIPT_DROPS_ITS_STRATEGY = textwrap.dedent("""
+    import gc
+    import numpy as np
+    import kfit_ps, keras
+    gc.disable()  # The coordinator is then first collected when the cluster stops.
+
+    def train(resolver):  # the strategy, its coordinator and the model die with this call
+        strategy = kfit_ps.ParameterServerStrategy(resolver)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            model.compile(optimizer="sgd", loss="mse")
+        x = np.random.rand(64, 4).astype("float32")
+        model.fit(x, x.sum(axis=1, keepdims=True), epochs=1, verbose=0)
+
+    with kfit_ps.LocalCluster(num_workers=1, num_ps=1) as cluster:
+        train(cluster.cluster_resolver)
+    print("left the cluster")
+""")
+
+
+@pytest.mark.slow
+def test_leaving_a_cluster_whose_coordinator_is_garbage_does_not_hang():
+    """Collecting a ClusterCoordinator runs TensorFlow's `Cluster.stop()`, which takes the
+    failure handler's lock: stop() must not hold it then (it deadlocked)."""
+    proc = subprocess.run([sys.executable, "-c", SCRIPT_DROPS_ITS_STRATEGY],
+                          capture_output=True, text=True, timeout=120, env=helpers.chief_env(),
+                          cwd=helpers.ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "left the cluster" in proc.stdout

@@ -3,6 +3,7 @@
 import re
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -33,7 +34,11 @@ def run_and_watch(args, timeout=300, env=None):
     proc = helpers.popen(args, env=env or helpers.chief_env(), cwd=helpers.ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     pids = set()
+    deadline = time.monotonic() + timeout
     while proc.poll() is None:
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"{args} did not finish within {timeout} s")
         try:
             pids.update(c.pid for c in psutil.Process(proc.pid).children() if helpers.is_server(c))
         except psutil.NoSuchProcess:
@@ -125,3 +130,18 @@ def test_filtered_stderr_keeps_tracebacks_and_partial_lines():
     assert "Traceback (most recent call last)" in err
     assert "ValueError: the user sees this" in err
     assert foreign_lines(err) == [], err
+
+
+@pytest.mark.slow
+def test_quickstart_runs_under_the_launcher(tmp_path):
+    proc, out, pids = run_and_watch(
+        [sys.executable, "-m", "kfit_ps.cli.main", "run", "--workers", "2", "--ps", "2",
+         "--run-dir", str(tmp_path / "run"), "--", sys.executable, "-m", "kfit_ps.cli.main",
+         "quickstart", "--epochs", "1", "--steps-per-epoch", "40"], env=user_env())
+    assert proc.returncode == 0, out[-3000:]
+    assert "kfit-ps run: the chief finished" in out
+    match = re.search(r"\[chief\] held-out: auc=([0-9.]+) .*steps trained: (\d+)", out)
+    assert match and int(match.group(2)) == 40, out[-3000:]
+    assert "2 workers + 2 ps ready" in out  # the launcher's servers, not a LocalCluster of its own
+    assert foreign_lines(out) == [], out[-3000:]
+    assert len(pids) == 4 and helpers.wait_for_no_servers(pids, timeout=10) == []

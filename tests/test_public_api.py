@@ -13,16 +13,24 @@ from tests import helpers
 
 PACKAGE = pathlib.Path(kfit_ps.__file__).parent
 
-# Which kfit_ps layers each layer may import (DEVELOPERS.md "Layers point one way").
+# Which kfit_ps layers each layer may import. Layers point one way: cli -> launch and jobs ->
+# cluster and training -> strategy -> _tf_compat; the leaves below may be used by any layer.
+LEAVES = {"constants", "validation", "net", "errors"}
 ALLOWED = {
-    "cli": {"cluster", "training", "strategy", "jobs", "constants", "_tf_compat"},
-    "jobs": {"cluster", "training", "strategy", "constants", "data"},
+    "cli": {"launch", "cluster", "training", "strategy", "jobs", "_tf_compat"} | LEAVES,
+    "launch": {"launch", "cluster", "_tf_log_filter"} | LEAVES,
+    "jobs": {"cluster", "training", "strategy", "data"} | LEAVES,
     "data": set(),
-    "training": {"strategy", "_tf_compat", "constants", "training"},
-    "cluster": {"constants", "cluster", "_tf_compat"},
-    "strategy": {"_tf_compat", "constants", "strategy"},
+    "training": {"strategy", "_tf_compat", "training"} | LEAVES,
+    "cluster": {"cluster", "_tf_compat"} | LEAVES,
+    "strategy": {"_tf_compat", "strategy"} | LEAVES,
     "_tf_compat": {"_tf_compat"},
     "constants": set(),
+    "validation": set(),
+    "net": set(),
+    "errors": set(),
+    "tf_logs": {"constants"},
+    "_tf_log_filter": set(),
     "callbacks": {"training"},
     "partitioners": set(),
 }
@@ -30,8 +38,12 @@ ALLOWED = {
 
 def test_all_is_the_public_api():
     assert sorted(kfit_ps.__all__) == sorted([
-        "ClusterConfig", "DatasetCreator", "LocalCluster", "ParameterServerStrategy",
-        "SidecarEvaluator", "__version__", "callbacks", "export_saved_model", "partitioners", "shards"])
+        "ClusterConfig", "ClusterError", "DatasetCreator", "LaunchConfig", "LocalCluster",
+        "ParameterServerError", "ParameterServerStrategy", "SidecarEvaluator",
+        "WorkersLostError", "__version__", "callbacks", "errors", "export_saved_model",
+        "job_cluster", "partitioners", "run", "shards"])
+    assert issubclass(kfit_ps.WorkersLostError, kfit_ps.ClusterError)
+    assert issubclass(kfit_ps.ParameterServerError, kfit_ps.ClusterError)
     assert sorted(kfit_ps.callbacks.__all__) == [
         "BackupAndRestore", "ModelCheckpoint", "SyncCallback", "TensorBoard"]
     for name in kfit_ps.__all__:

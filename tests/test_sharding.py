@@ -105,6 +105,32 @@ def test_sharded_embedding_with_adam_trains_and_gathers_rows(sharded):
                                     if any(i.shape == (512, 1024) for i in op.outputs)}
 
 
+def trained_twins(strategy, make_optimizer):
+    """A 13-row table sharded by `strategy` and the same model written as a one-hot matmul
+    (Keras' dense update, no strategy), each trained 3 steps on the same batch (duplicate ids,
+    rows on every shard); returns (ids, sharded model, reference)."""
+    ids = np.array([1, 1, 5, 9, 12, 5], dtype="int64")
+    y = np.linspace(-1, 1, 6, dtype="float32")[:, None]
+    data = tf.data.Dataset.from_tensors((ids, y)).repeat()
+    with strategy.scope():
+        inputs = keras.Input((), dtype="int64")
+        table = keras.layers.Embedding(13, 3, embeddings_initializer="ones", name="table")
+        head = keras.layers.Dense(1, kernel_initializer="ones")
+        model = keras.Model(inputs, head(table(inputs)))
+        model.compile(make_optimizer(), "mse")
+    inputs = keras.Input((), dtype="int64")
+    one_hot = keras.layers.Lambda(lambda i: tf.one_hot(i, 13), output_shape=(13,))(inputs)
+    dense_table = keras.layers.Dense(3, use_bias=False, kernel_initializer="ones")
+    reference = keras.Model(inputs, keras.layers.Dense(1, kernel_initializer="ones")(
+        dense_table(one_hot)))
+    reference.compile(make_optimizer(), "mse")
+    # One step per epoch: each epoch ends with a join, so the steps run in sequence.
+    model.fit(data, epochs=3, steps_per_epoch=1, verbose=0)
+    for _ in range(3):  # (train_on_batch: no dataset iterator in this cluster-connected process)
+        reference.train_on_batch(ids, y)
+    return ids, model, reference
+
+
 @pytest.mark.parametrize("make_optimizer", [
     lambda: keras.optimizers.SGD(0.1),
     lambda: keras.optimizers.SGD(0.1, momentum=0.9),
@@ -119,29 +145,9 @@ def test_sharded_updates_equal_the_dense_formula_on_touched_rows(fixed, make_opt
     """Sparse, per-shard updates vs Keras' dense update of the same model written as a
     one-hot matmul (a dense gradient, duplicates summed). The same rows are touched every
     step, so lazy and dense agree there; untouched rows must not move at all."""
-    ids = np.array([1, 1, 5, 9, 12, 5], dtype="int64")  # duplicates, rows on all 3 shards
+    ids, model, reference = trained_twins(fixed(3), make_optimizer)
     touched = np.unique(ids)
-    y = np.linspace(-1, 1, 6, dtype="float32")[:, None]
-    data = tf.data.Dataset.from_tensors((ids, y)).repeat()
-
-    with fixed(3).scope():
-        inputs = keras.Input((), dtype="int64")
-        table = keras.layers.Embedding(13, 3, embeddings_initializer="ones", name="table")
-        head = keras.layers.Dense(1, kernel_initializer="ones")
-        model = keras.Model(inputs, head(table(inputs)))
-        model.compile(make_optimizer(), "mse")
-    assert len(kfit_ps.shards(table.embeddings)) == 3
-    inputs = keras.Input((), dtype="int64")
-    one_hot = keras.layers.Lambda(lambda i: tf.one_hot(i, 13), output_shape=(13,))(inputs)
-    dense_table = keras.layers.Dense(3, use_bias=False, kernel_initializer="ones")
-    reference = keras.Model(inputs, keras.layers.Dense(1, kernel_initializer="ones")(
-        dense_table(one_hot)))
-    reference.compile(make_optimizer(), "mse")
-
-    # One step per epoch: each epoch ends with a join, so the steps run in sequence.
-    model.fit(data, epochs=3, steps_per_epoch=1, verbose=0)
-    for _ in range(3):  # (train_on_batch: no dataset iterator in this cluster-connected process)
-        reference.train_on_batch(ids, y)
+    assert len(kfit_ps.shards(model.get_layer("table").embeddings)) == 3
     ours, theirs = model.get_weights(), reference.get_weights()
     np.testing.assert_allclose(ours[0][touched], theirs[0][touched], rtol=2e-5, atol=1e-6)
     untouched = np.setdiff1d(np.arange(13), touched)
@@ -320,25 +326,8 @@ def test_other_initializers_are_built_whole_on_the_ps_and_sliced(fixed):
 
 def test_weight_decay_of_a_dense_fallback_optimizer_on_a_sharded_table(fixed):
     """Nadam(weight_decay) has no sparse path: Keras' apply and decay, shard by shard."""
-    ids = np.array([1, 1, 5, 9, 12, 5], dtype="int64")
-    y = np.linspace(-1, 1, 6, dtype="float32")[:, None]
-    data = tf.data.Dataset.from_tensors((ids, y)).repeat()
-    make = lambda: keras.optimizers.Nadam(0.01, weight_decay=0.05)  # noqa: E731
-    with fixed(3).scope():
-        inputs = keras.Input((), dtype="int64")
-        table = keras.layers.Embedding(13, 3, embeddings_initializer="ones", name="table")
-        model = keras.Model(inputs, keras.layers.Dense(1, kernel_initializer="ones")(
-            table(inputs)))
-        model.compile(make(), "mse")
-    inputs = keras.Input((), dtype="int64")
-    one_hot = keras.layers.Lambda(lambda i: tf.one_hot(i, 13), output_shape=(13,))(inputs)
-    dense_table = keras.layers.Dense(3, use_bias=False, kernel_initializer="ones")
-    reference = keras.Model(inputs, keras.layers.Dense(1, kernel_initializer="ones")(
-        dense_table(one_hot)))
-    reference.compile(make(), "mse")
-    model.fit(data, epochs=3, steps_per_epoch=1, verbose=0)
-    for _ in range(3):
-        reference.train_on_batch(ids, y)
+    ids, model, reference = trained_twins(
+        fixed(3), lambda: keras.optimizers.Nadam(0.01, weight_decay=0.05))
     ours, theirs = model.get_weights(), reference.get_weights()
     untouched = np.setdiff1d(np.arange(13), ids)
     assert np.all(ours[0][untouched] < 1.0)  # decayed although never looked up

@@ -138,3 +138,52 @@ def test_private_apis_of_the_sharding_support_still_exist():
         assert hasattr(model, name), name
     assert _tf_compat.has_stock_train_step(model)
     assert keras_sharding.variable_partitioner(tf.distribute.get_strategy()) is None
+
+
+def test_private_apis_of_this_issue_still_exist():
+    """Sharded initial values, weight decay, predict-only build, Keras' monitor direction,
+    io_utils output and the coordinator internals `forget_servers` quiesces."""
+    import inspect
+
+    from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
+    from keras.src.initializers.random_initializers import compute_fans
+    from tensorflow.python.distribute.coordinator import cluster_coordinator
+
+    assert compute_fans((4, 6), input_axes=None, output_axes=None) == (4, 6)
+    for name in ("mode", "scale", "input_axes", "output_axes", "seed"):
+        assert hasattr(keras.initializers.GlorotUniform(), name), name
+    assert isinstance(keras.initializers.RandomUniform().seed, int)  # unseeded: a fixed int
+    assert hasattr(keras_tf_optimizer.TFOptimizer, "_apply_weight_decay")
+    assert hasattr(keras.optimizers.Nadam(), "_use_weight_decay")
+
+    model = keras.Sequential([keras.layers.Dense(1)])
+    _tf_compat.build_for_predict(model, tf.TensorSpec((None, 3)))
+    assert model.built and model.variables[0].shape == (3, 1)
+
+    model.compile(loss="mse", metrics=[keras.metrics.CosineSimilarity(), "mae"])
+    model._symbolic_build(data_batch=(tf.TensorSpec((None, 3)), tf.TensorSpec((None, 1))))
+    better = _tf_compat.improvement_test(model, "val_cosine_similarity", "auto")
+    assert better(0.9, 0.5) and not better(0.5, 0.9)  # maximised, though not named "acc"
+    assert _tf_compat.improvement_test(model, "mae", "auto")(0.1, 0.2)
+    with pytest.raises(ValueError, match="mode='max'"):
+        _tf_compat.improvement_test(model, "something_else", "auto")
+
+    handler_attrs = inspect.getsource(cluster_coordinator.WorkerPreemptionHandler)
+    for name in ("_cluster_update_lock", "_should_preemption_thread_run",
+                 "_cluster_due_for_update_or_finish", "_preemption_handler_thread"):
+        assert f"self.{name}" in handler_attrs, name
+    cluster_source = inspect.getsource(cluster_coordinator.Cluster)
+    for name in ("failure_handler", "workers", "closure_queue", "resource_cancellation_mgr"):
+        assert f"self.{name}" in cluster_source, name
+    assert "context.context().update_server_def" in handler_attrs
+
+
+def test_print_msg_honours_keras_interactive_logging(capsys):
+    _tf_compat.print_msg("shown")
+    keras.config.disable_interactive_logging()
+    try:
+        _tf_compat.print_msg("hidden")
+    finally:
+        keras.config.enable_interactive_logging()
+    out = capsys.readouterr().out
+    assert "shown" in out and "hidden" not in out

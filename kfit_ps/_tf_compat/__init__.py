@@ -9,7 +9,11 @@ one place, with a clear message.
 """
 
 from kfit_ps._tf_compat.versions import SUPPORTED, check_versions
-from kfit_ps._tf_compat.eager_context import forget_servers, track_coordinator
+from kfit_ps._tf_compat.eager_context import (
+    forget_servers,
+    track_coordinator,
+    wait_for_closures,
+)
 from kfit_ps._tf_compat.keras_variables import (
     install_atomic_updates,
     is_kfit_variable,
@@ -64,4 +68,5 @@ __all__ = [
     "storage",
     "symbolic_build",
     "track_coordinator",
+    "wait_for_closures",
 ]

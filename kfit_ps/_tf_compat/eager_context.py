@@ -13,12 +13,13 @@ recovering a lost worker calls `context.update_server_def` from its
 two concurrent updates crash the process (a segfault, seen when a
 `LocalCluster` stopped right after a worker was restarted). So
 `forget_servers` first stops every coordinator this process made
-(`track_coordinator`) from starting more work, then takes each handler's
-lock (waiting a bounded time for a recovery in progress), releases
-functions and updates the cluster under those locks, and lets the handler
-threads end. If a recovery does not finish in time (its worker never came
-back), the disconnect is skipped: some log noise at exit, never a crash or
-a hang.
+(`track_coordinator`) from starting more work, then ends each handler's
+thread (taking its lock waits, bounded, for a recovery in progress), and
+only then releases functions and updates the cluster, with no lock held (a
+coordinator's `__del__`, which garbage collection may run, takes the
+handler's lock). If a recovery does not finish in time (its worker never
+came back), the disconnect is skipped: some log noise at exit, never a
+crash or a hang.
 """
 
 import gc
@@ -69,6 +70,22 @@ def _alone(server_def):
     return alone
 
 
+def _end_handler_thread(handler, deadline):
+    """Wakes a stopped handler's thread and waits (until `deadline`) for it to end.
+
+    Taking the lock waits for an update in progress; the thread then sees it
+    must stop. Returns whether the thread has ended.
+    """
+    if not handler._cluster_update_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        return False
+    try:
+        handler._cluster_due_for_update_or_finish.set()
+    finally:
+        handler._cluster_update_lock.release()
+    handler._preemption_handler_thread.join(max(0.0, deadline - time.monotonic()))
+    return not handler._preemption_handler_thread.is_alive()
+
+
 def forget_servers(addresses, recovery_wait=_RECOVERY_WAIT_SECONDS):
     """Disconnects this process from a cluster that contains any of `addresses`.
 
@@ -83,26 +100,25 @@ def forget_servers(addresses, recovery_wait=_RECOVERY_WAIT_SECONDS):
     if server_def is None or not _remote_addresses(server_def) & set(addresses):
         return False
     handlers = [_stop_scheduling(c) for c in list(_coordinators)]
-    held = []
     deadline = time.monotonic() + recovery_wait
+    if not all(_end_handler_thread(h, deadline) for h in handlers):
+        log.debug("kfit_ps: a worker recovery is still running; not disconnecting")
+        return False
+    # No thread can update the cluster now. Release what this process registered on the
+    # servers while they still answer (a coordinator's `__del__` may run here: it takes the
+    # handler's lock, which nobody holds), then drop them from the cluster.
+    gc.collect()
     try:
-        for handler in handlers:
-            if not handler._cluster_update_lock.acquire(
-                    timeout=max(0.0, deadline - time.monotonic())):
-                log.debug("kfit_ps: a worker recovery is still running; not disconnecting")
-                return False
-            held.append(handler)
-            handler._cluster_due_for_update_or_finish.set()  # its thread then ends
-        # Release what this process registered on the servers while they still answer.
-        gc.collect()
-        try:
-            ctx.update_server_def(_alone(server_def))
-        except Exception as e:  # noqa: BLE001 - only the exit-time log noise is at stake
-            log.debug("kfit_ps: could not disconnect from the stopped cluster: %s", e)
-            return False
-        return True
-    finally:
-        for handler in held:
-            handler._cluster_update_lock.release()
-        for handler in held:
-            handler._preemption_handler_thread.join(max(0.0, deadline - time.monotonic()))
+        ctx.update_server_def(_alone(server_def))
+    except Exception as e:  # noqa: BLE001 - only the exit-time log noise is at stake
+        log.debug("kfit_ps: could not disconnect from the stopped cluster: %s", e)
+        return False
+    return True
+
+
+def wait_for_closures(coordinator, timeout):
+    """`coordinator.join()` for at most `timeout` seconds; True when every function finished.
+
+    Raises what `join()` raises (the first error of a scheduled function).
+    """
+    return coordinator._cluster.closure_queue.wait(timeout=timeout)

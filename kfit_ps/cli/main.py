@@ -1,6 +1,9 @@
 """`kfit-ps`: a thin command line over kfit_ps functions.
 
     kfit-ps quickstart              train the demo model on a local cluster
+    kfit-ps run --workers 2 --ps 1 [--backup-dir D --save-freq N] -- python train.py ARGS
+                                    run a script as the chief of a supervised job that
+                                    survives the loss of any task
     kfit-ps server                  run this machine's worker/ps server (TF_CONFIG)
     kfit-ps local --workers 2 --ps 1
                                     start a local cluster and print the chief's TF_CONFIG
@@ -84,6 +87,39 @@ def _cmd_server(args, parser):
     return 0
 
 
+def _parse_tasks(parser, text):
+    tasks = []
+    for item in (text or "").split(","):
+        task_type, sep, index = item.strip().partition(":")
+        if not sep or task_type not in ("chief", "worker", "ps") or not index.isdigit():
+            _flag_error(parser, "--tasks", text, "must be a comma-separated list of TYPE:INDEX "
+                        "with TYPE chief, worker or ps, e.g. --tasks ps:0,worker:1.")
+        tasks.append((task_type, int(index)))
+    return tuple(tasks)
+
+
+def _cmd_run(args, parser):
+    from kfit_ps.launch import LaunchConfig, Supervisor
+
+    command = list(args.chief_command)
+    if command and command[0] == "--":
+        command = command[1:]
+    tasks = _parse_tasks(parser, args.tasks) if args.tasks is not None else None
+    save_freq = args.save_freq if args.save_freq == "epoch" else None
+    if save_freq is None:
+        if not args.save_freq.isdigit() or int(args.save_freq) < 1:
+            _flag_error(parser, "--save-freq", args.save_freq,
+                        "must be 'epoch' or a positive number of steps.")
+        save_freq = int(args.save_freq)
+    try:
+        config = LaunchConfig(command=command, num_workers=args.workers, num_ps=args.ps,
+                              max_restarts=args.max_restarts, backup_dir=args.backup_dir,
+                              save_freq=save_freq, run_dir=args.run_dir, tasks=tasks)
+    except ValueError as e:
+        parser.error(str(e))
+    return Supervisor(config).run()
+
+
 def _cmd_local(args, parser):
     from kfit_ps.cluster.local import LocalCluster
 
@@ -133,7 +169,7 @@ def _cmd_evaluator(args, parser):
     from kfit_ps.cluster.spec import ClusterConfig
     from kfit_ps.training import SidecarEvaluator
 
-    if os.environ.get(constants.TF_CONFIG):
+    if constants.tf_config():
         try:
             config = ClusterConfig.from_tf_config()
         except ValueError as e:
@@ -186,6 +222,27 @@ def build_parser():
                         help="inter-op threads of a worker (default: safe automatic value)")
     server.set_defaults(handler=_cmd_server)
 
+    run = sub.add_parser(
+        "run", help="run a script as the chief of a job that survives the loss of any task",
+        description="Starts the worker and ps servers and the script (after --) as the chief, "
+                    "with TF_CONFIG set; restarts lost tasks; returns the chief's exit status.")
+    run.add_argument("--workers", type=int, default=constants.env_int(constants.WORKERS_ENV, 2))
+    run.add_argument("--ps", type=int, default=constants.env_int(constants.PS_ENV, 1))
+    run.add_argument("--max-restarts", type=int, default=3,
+                     help="restarts allowed per task before the job fails (default 3)")
+    run.add_argument("--backup-dir", default=None,
+                     help="fit backs up here and resumes from it after a restart")
+    run.add_argument("--save-freq", default="epoch",
+                     help="backup frequency: 'epoch' or a number of steps (default epoch)")
+    run.add_argument("--run-dir", default=None,
+                     help="per-task logs and tasks.json (default: a new temporary directory)")
+    run.add_argument("--tasks", default=None,
+                     help="multi-host form: this host's tasks of TF_CONFIG's cluster, e.g. "
+                          "ps:0,worker:1 (chief:0 runs the command)")
+    run.add_argument("chief_command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                     help="the chief's command, e.g. -- python train.py")
+    run.set_defaults(handler=_cmd_run)
+
     local = sub.add_parser("local", help="start a local cluster and print its TF_CONFIG")
     local.add_argument("--workers", type=int, default=constants.env_int(constants.WORKERS_ENV, 2))
     local.add_argument("--ps", type=int, default=constants.env_int(constants.PS_ENV, 1))
@@ -229,7 +286,7 @@ def main(argv=None):
     status = args.handler(args, parser)
     sys.stdout.flush()
     sys.stderr.flush()
-    if args.command in ("quickstart", "evaluator"):
+    if args.command in ("quickstart", "evaluator", "run"):
         # The servers are gone; skip interpreter teardown, where TensorFlow would try (and
         # loudly fail) to unregister functions from them.
         os._exit(status)

@@ -28,7 +28,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,7 @@ import threading
 import time
 import weakref
 
-from kfit_ps import _tf_compat, constants, validation
+from kfit_ps import _tf_compat, constants, net, validation
 from kfit_ps.cluster import server
 from kfit_ps.cluster.spec import ClusterConfig
 
@@ -51,10 +50,7 @@ _START_ATTEMPTS = 3
 _BIND_FAILURES = ("Failed to add port", "Could not start gRPC server", "Address already in use")
 
 
-def _free_port(host):
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host if host != "localhost" else "127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = net.free_port  # (a module attribute: tests make it hand out a taken port)
 
 
 class LocalCluster:
@@ -70,10 +66,12 @@ class LocalCluster:
         startup_timeout: seconds to wait for all servers to start serving.
             Defaults to `KFIT_PS_STARTUP_TIMEOUT` or 120.
         env: extra environment variables for the server processes.
+        log_dir: directory for the servers' logs (`<type>-<index>.log`), kept
+            after `stop()`. Defaults to None: a temporary directory, removed.
     """
 
     def __init__(self, num_workers=2, num_ps=1, *, host="localhost", worker_threads=None,
-                 startup_timeout=None, env=None):
+                 startup_timeout=None, env=None, log_dir=None):
         num_workers = validation.check_int("num_workers", num_workers, 1, owner="LocalCluster")
         num_ps = validation.check_int("num_ps", num_ps, 1, owner="LocalCluster")
         worker_threads = validation.check_optional_int("worker_threads", worker_threads, 1,
@@ -88,9 +86,32 @@ class LocalCluster:
         self._logs = {}
         self._log_start = {}
         self._log_dir = None
+        self._kept_log_dir = None if log_dir is None else validation.path(log_dir)
+        self._given = None  # (ClusterConfig, tasks) for `for_tasks`
         self._lock = threading.Lock()  # Guards _procs, _logs and _stopped.
         self._stopped = False
         self.config = None
+
+    @classmethod
+    def for_tasks(cls, config, tasks, **kwargs):
+        """A cluster that runs only `tasks` of `config`, at `config`'s fixed addresses.
+
+        This is one host's share of a multi-host cluster (`kfit-ps run --tasks`):
+        `config` is the whole cluster (a `ClusterConfig`), `tasks` the
+        `(task_type, index)` server tasks to run here.
+        """
+        tasks = tuple((t, int(i)) for t, i in tasks)
+        for task_type, index in tasks:
+            if task_type not in constants.SERVER_TASK_TYPES or not (
+                    0 <= index < config.num_tasks(task_type)):
+                raise ValueError(
+                    f"LocalCluster.for_tasks: {task_type}:{index} is not a worker or ps task of "
+                    f"the cluster {config.training_cluster()} ({config.source}). Received: "
+                    f"tasks={list(tasks)}.")
+        cluster = cls(num_workers=config.num_tasks(constants.WORKER),
+                      num_ps=config.num_tasks(constants.PS), **kwargs)
+        cluster._given = (config, tasks)
+        return cluster
 
     # Lifecycle -------------------------------------------------------------------------------
 
@@ -98,22 +119,25 @@ class LocalCluster:
         """Starts every server and returns once each has announced it is serving."""
         if self.config is not None:
             raise RuntimeError("LocalCluster.start() was already called; create a new cluster.")
-        for attempt in range(1, _START_ATTEMPTS + 1):
-            self.config = ClusterConfig(cluster=self._pick_addresses(),
-                                        task_type=constants.CHIEF, task_index=0,
-                                        source="LocalCluster")
-            self._log_dir = tempfile.mkdtemp(prefix="kfit_ps-cluster-")
+        attempts = 1 if self._given else _START_ATTEMPTS  # Fixed addresses: no new ports.
+        for attempt in range(1, attempts + 1):
+            self.config = self._given[0] if self._given else ClusterConfig(
+                cluster=self._pick_addresses(), task_type=constants.CHIEF, task_index=0,
+                source="LocalCluster")
+            if self._kept_log_dir:
+                os.makedirs(self._kept_log_dir, exist_ok=True)
+            self._log_dir = self._kept_log_dir or tempfile.mkdtemp(prefix="kfit_ps-cluster-")
             with self._lock:
                 self._stopped = False
             _LIVE_CLUSTERS.add(self)
             try:
-                for task_type, index in self._server_tasks():
+                for task_type, index in self.server_tasks():
                     self._spawn(task_type, index)
-                self._wait_ready(self._server_tasks())
+                self._wait_ready(self.server_tasks())
                 break
             except _PortTaken as e:
                 self.stop()
-                if attempt == _START_ATTEMPTS:
+                if attempt == attempts:
                     raise RuntimeError(f"{e} (after {attempt} attempts with new ports)") from None
                 log.info("LocalCluster: %s; retrying with new ports", e)
             except BaseException:
@@ -142,7 +166,7 @@ class LocalCluster:
             # function released later. Waits (bounded) for a worker recovery in progress,
             # which must not overlap (see _tf_compat.forget_servers).
             _tf_compat.forget_servers(
-                [self.config.address(t, i) for t, i in self._server_tasks()])
+                [self.config.address(t, i) for t, i in self.server_tasks()])
         for p in procs:
             if p.poll() is None:
                 p.terminate()
@@ -155,7 +179,7 @@ class LocalCluster:
                 p.wait()
         for f in logs:
             f.close()
-        if self._log_dir is not None:
+        if self._log_dir is not None and self._kept_log_dir is None:
             shutil.rmtree(self._log_dir, ignore_errors=True)
             self._log_dir = None
         _LIVE_CLUSTERS.discard(self)
@@ -198,6 +222,32 @@ class LocalCluster:
         self._spawn(task_type, index)
         self._wait_ready([(task_type, index)])
 
+    def restart_all(self):
+        """Kills every server (SIGKILL) and starts each again at its address; waits for all."""
+        tasks = self.server_tasks()
+        for task_type, index in tasks:
+            self.kill(task_type, index)
+        for task_type, index in tasks:
+            self._spawn(task_type, index)
+        self._wait_ready(tasks)
+
+    def exited(self):
+        """`{(task_type, index): exit status}` of the servers that are not running.
+
+        A negative status is the signal that ended the process (as in `subprocess`).
+        """
+        with self._lock:
+            return {key: p.returncode for key, p in self._procs.items() if p.poll() is not None}
+
+    def log_tail(self, task_type, index, lines=20):
+        """The last `lines` lines of a server's log (all its incarnations)."""
+        try:
+            with open(self._log_path(task_type, index), "rb") as f:
+                text = f.read()[-200 * lines:].decode(errors="replace")
+        except (OSError, TypeError):
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
     def pid(self, task_type, index):
         """The process id of a server."""
         return self._proc(task_type, index).pid
@@ -237,7 +287,10 @@ class LocalCluster:
         return {constants.CHIEF: addresses(1), constants.WORKER: addresses(self.num_workers),
                 constants.PS: addresses(self.num_ps)}
 
-    def _server_tasks(self):
+    def server_tasks(self):
+        """The `(task_type, index)` servers this cluster runs."""
+        if self._given:
+            return list(self._given[1])
         return [(t, i) for t in constants.SERVER_TASK_TYPES
                 for i in range(self.config.num_tasks(t))]
 
@@ -249,7 +302,7 @@ class LocalCluster:
             if key not in self._procs:
                 raise ValueError(
                     f"LocalCluster has no server {task_type}:{index}. Servers: "
-                    f"{', '.join(f'{t}:{i}' for t, i in self._server_tasks())}."
+                    f"{', '.join(f'{t}:{i}' for t, i in self.server_tasks())}."
                 )
             return self._procs[key]
 
@@ -267,6 +320,7 @@ class LocalCluster:
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+        env[constants.TF_LOGS_ENV] = "1"  # A server's log file keeps TensorFlow's own lines.
         env.update(self._env)
         cmd = [sys.executable, "-m", "kfit_ps.cluster._server_main",
                self.config.to_tf_config(task_type, index), str(os.getpid()), str(self._threads),
@@ -292,13 +346,6 @@ class LocalCluster:
         except OSError:
             return False
 
-    def _log_tail(self, task_type, index, n=2000):
-        try:
-            with open(self._log_path(task_type, index), "rb") as f:
-                return f.read()[-n:].decode(errors="replace")
-        except OSError:
-            return "(no log)"
-
     def _wait_ready(self, tasks):
         deadline = time.monotonic() + self._startup_timeout
         pending = list(tasks)
@@ -307,19 +354,20 @@ class LocalCluster:
             proc = self._proc(task_type, index)
             if proc.poll() is not None:
                 self._raise_exited(task_type, index, proc.returncode)
-            if self._announced_ready(task_type, index):  # it bound its port
+            if self._announced_ready(task_type, index) and net.accepts_connections(
+                    self.config.address(task_type, index)):  # its own line, then a connection
                 pending.pop(0)
                 continue
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"LocalCluster: server {task_type}:{index} did not start serving within "
                     f"{self._startup_timeout:.0f}s (set {constants.STARTUP_TIMEOUT_ENV} to wait "
-                    f"longer). Its log:\n{self._log_tail(task_type, index)}"
+                    f"longer). Its log:\n{self.log_tail(task_type, index)}"
                 )
             time.sleep(0.1)
 
     def _raise_exited(self, task_type, index, returncode):
-        tail = self._log_tail(task_type, index)
+        tail = self.log_tail(task_type, index)
         message = (f"LocalCluster: server {task_type}:{index} "
                    f"({self.config.address(task_type, index)}) exited with code {returncode} "
                    f"during start-up. Its log:\n{tail}")

@@ -17,7 +17,6 @@ resolver = config.cluster_resolver()
 
 import dataclasses
 import json
-import os
 import types
 
 from kfit_ps import constants
@@ -100,7 +99,7 @@ class ClusterConfig:
     def from_tf_config(cls, raw=None):
         """Parses `TF_CONFIG` (the environment variable when `raw` is None)."""
         if raw is None:
-            raw = os.environ.get(constants.TF_CONFIG)
+            raw = constants.tf_config()
             if not raw:
                 raise ValueError(
                     "TF_CONFIG is not set. Set it to a JSON object such as "

@@ -37,7 +37,7 @@ class QuickstartConfig:
 
 
 def run(config=QuickstartConfig()):
-    """Trains on a fresh LocalCluster; returns the held-out metrics dict."""
+    """Trains on a fresh LocalCluster (or `kfit-ps run`'s cluster); returns held-out metrics."""
     import keras
 
     import kfit_ps
@@ -58,14 +58,15 @@ def run(config=QuickstartConfig()):
         return criteo.dataset(shard or train_files, batch, spec)
 
     started = time.monotonic()
-    with kfit_ps.LocalCluster(num_workers=config.num_workers, num_ps=config.num_ps) as cluster:
-        print(f"kfit_ps quickstart: {config.num_workers} workers + {config.num_ps} ps started "
-              f"in {time.monotonic() - started:.1f}s ({cluster.config!r})", flush=True)
+    with kfit_ps.job_cluster(num_workers=config.num_workers, num_ps=config.num_ps) as resolver:
+        tasks = resolver.cluster_spec().as_dict()
+        num_ps = len(tasks["ps"])
+        print(f"kfit_ps quickstart: {len(tasks['worker'])} workers + {num_ps} ps ready in "
+              f"{time.monotonic() - started:.1f}s ({tasks})", flush=True)
         # Tables of 64 KB and more are sharded over the ps tasks.
         partitioner = kfit_ps.partitioners.MinSizePartitioner(min_shard_bytes=64 << 10,
-                                                              max_shards=config.num_ps)
-        strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver,
-                                                   variable_partitioner=partitioner)
+                                                              max_shards=num_ps)
+        strategy = kfit_ps.ParameterServerStrategy(resolver, variable_partitioner=partitioner)
         with strategy.scope():
             model = build_dlrm(spec)
             model.compile(optimizer=keras.optimizers.Adam(0.005), loss="binary_crossentropy",

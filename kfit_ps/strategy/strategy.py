@@ -21,6 +21,16 @@ from kfit_ps import _tf_compat, constants
 _ALLOWED = (constants.CHIEF, constants.WORKER, constants.PS)
 
 
+def _resolver_from_tf_config():
+    if not constants.tf_config():
+        raise ValueError(
+            "ParameterServerStrategy() without `cluster_resolver` reads the cluster from the "
+            f"{constants.TF_CONFIG} environment variable, which is not set. Received: "
+            "cluster_resolver=None. Run the script under `kfit-ps run`, set TF_CONFIG, or pass "
+            "`cluster_resolver=kfit_ps.LocalCluster(...).cluster_resolver`.")
+    return tf.distribute.cluster_resolver.TFConfigClusterResolver()
+
+
 def _validated_resolver(cluster_resolver):
     if not isinstance(cluster_resolver, tf.distribute.cluster_resolver.ClusterResolver):
         raise ValueError(
@@ -79,27 +89,40 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     Args:
         cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`
             whose spec has at least one `worker` and one `ps` (and optionally a
-            `chief`); this process is the chief.
+            `chief`); this process is the chief. Defaults to None: the cluster
+            and this task from `TF_CONFIG` (what `kfit-ps run` sets).
         variable_partitioner: a `tf.distribute.experimental.partitioners`
             partitioner to shard variables along axis 0 across ps tasks.
             Defaults to None (no sharding: variables go round-robin to the ps
             tasks).
+        worker_timeout: seconds `fit`/`evaluate`/`predict` wait while every
+            worker is unreachable before raising `kfit_ps.errors.WorkersLostError`.
+            Defaults to None: `KFIT_PS_WORKER_TIMEOUT`, else 300.
     """
 
-    def __init__(self, cluster_resolver, variable_partitioner=None):
+    def __init__(self, cluster_resolver=None, variable_partitioner=None, worker_timeout=None):
         if variable_partitioner is not None and not callable(variable_partitioner):
             raise ValueError(
                 "ParameterServerStrategy: `variable_partitioner` must be callable (shape, dtype) "
                 f"-> list of partitions. Received: variable_partitioner={variable_partitioner!r}. "
                 "Use e.g. tf.distribute.experimental.partitioners.MinSizePartitioner()."
             )
+        if worker_timeout is not None and (isinstance(worker_timeout, bool) or not isinstance(
+                worker_timeout, (int, float)) or worker_timeout <= 0):
+            raise ValueError(
+                "ParameterServerStrategy: `worker_timeout` must be a positive number of seconds "
+                f"or None. Received: worker_timeout={worker_timeout!r}.")
         _tf_compat.install_atomic_updates()
         if variable_partitioner is not None:
             _tf_compat.install_sharding_support()
+        if cluster_resolver is None:
+            cluster_resolver = _resolver_from_tf_config()
         resolver = _validated_resolver(cluster_resolver)
         spec = resolver.cluster_spec().as_dict()
         self._num_workers = len(spec[constants.WORKER])
         self._num_ps = len(spec[constants.PS])
+        self._worker_addresses = tuple(spec[constants.WORKER])
+        self._worker_timeout = float(worker_timeout or constants.worker_timeout())
         super().__init__(resolver, variable_partitioner)
         check_one_replica_per_worker(self.num_replicas_in_sync)
 
@@ -124,6 +147,16 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     def num_ps(self):
         """Number of ps tasks in the cluster."""
         return self._num_ps
+
+    @property
+    def worker_addresses(self):
+        """The workers' `host:port` addresses, in task order."""
+        return self._worker_addresses
+
+    @property
+    def worker_timeout(self):
+        """Seconds to wait while every worker is unreachable (see `__init__`)."""
+        return self._worker_timeout
 
 
 def check_one_replica_per_worker(num_replicas):

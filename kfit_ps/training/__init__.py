@@ -1,7 +1,7 @@
 """The training layer: parameter-server `fit` / `evaluate` / `predict` for Keras 3."""
 
 from kfit_ps import _tf_compat
-from kfit_ps.training import loop, on_batch
+from kfit_ps.training import cluster_health, loop, on_batch
 from kfit_ps.training.dataset_creator import DatasetCreator
 from kfit_ps.training.export import export_saved_model
 from kfit_ps.training.sidecar_evaluator import Evaluation, SidecarEvaluator
@@ -24,14 +24,17 @@ def install():
     """Routes `fit` / `evaluate` / `predict` (and `*_on_batch`) of kfit_ps models.
 
     Called once by `import kfit_ps`; idempotent. Models built outside a kfit_ps
-    strategy scope keep Keras' own methods. `load_weights` of a kfit_ps model
+    strategy scope keep Keras' own methods. A lost ps surfaces as
+    `kfit_ps.errors.ParameterServerError` (`cluster_health`). `load_weights` of a kfit_ps model
     first creates its optimizer's slots, so that they are restored, never
     skipped.
     """
-    _tf_compat.install_dispatch(
-        "kfit_ps", _handles, fit=loop.fit, evaluate=loop.evaluate, predict=loop.predict,
-        train_on_batch=on_batch.train_on_batch, test_on_batch=on_batch.test_on_batch,
-        predict_on_batch=on_batch.predict_on_batch)
+    handlers = dict(fit=loop.fit, evaluate=loop.evaluate, predict=loop.predict,
+                    train_on_batch=on_batch.train_on_batch, test_on_batch=on_batch.test_on_batch,
+                    predict_on_batch=on_batch.predict_on_batch)
+    _tf_compat.install_dispatch("kfit_ps", _handles, **{
+        name: cluster_health.translating_cluster_errors(handler)
+        for name, handler in handlers.items()})
     _tf_compat.install_load_weights_hook("kfit_ps", _handles, _build_optimizer_before_load)
 
 

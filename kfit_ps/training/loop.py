@@ -17,7 +17,7 @@ Who owns what:
 - **`join()`**: once per epoch, once per evaluation, and at each step where a
   `kfit_ps.callbacks.SyncCallback` asked for one (`callbacks.base.SyncPoints`);
   it is the only synchronisation. TensorFlow re-runs a function whose worker
-  died.
+  died; `cluster_health.join` bounds the wait when every worker is gone.
 - **Metric state**: each scheduled function returns its own; the coordinator
   adds each finished function's state once (`metric_state.Accumulator`) and
   writes it to the metric variables after `join()`: exactly-once metrics.
@@ -36,7 +36,9 @@ from keras.callbacks import CallbackList
 
 from kfit_ps import _tf_compat, validation
 from kfit_ps.strategy import is_kfit_strategy
-from kfit_ps.training import functions, inputs, metric_state, sharded_updates
+from kfit_ps.training import (cluster_health, functions, inputs, metric_state,
+                              sharded_updates)
+from kfit_ps.training.callbacks.backup_and_restore import with_launcher_backup
 from kfit_ps.training.callbacks.base import SyncPoints
 from kfit_ps.training.callback_policy import check_callbacks
 from kfit_ps.training.progress import Progress, resolve_verbose
@@ -207,7 +209,7 @@ class _Evaluation:
                 callbacks.on_test_batch_begin(step)
                 accumulator.add(coordinator.schedule(step_fn, args=(batch,)))
                 callbacks.on_test_batch_end(step, {})
-        coordinator.join()
+        cluster_health.join(strategy)
         accumulator.commit()
         logs = _logs(model)
         if last >= 0:  # Per-worker input: the last batch end comes after the join.
@@ -262,6 +264,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
         evaluation = _Evaluation(model, strategy, val_input, validation_steps,
                                  "validation_steps")
     check_callbacks(callbacks)
+    callbacks = with_launcher_backup(callbacks)
     _prepare(model, strategy, train_input.element_spec, "fit")
 
     coordinator = strategy.coordinator
@@ -297,7 +300,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                 _schedule_steps(coordinator, step, stop, model.steps_per_execution, fns.train,
                                 (iterator,), callbacks.on_train_batch_begin,
                                 callbacks.on_train_batch_end, accumulator)
-                coordinator.join()
+                cluster_health.join(strategy)
                 accumulator.commit()
                 logs = _logs(model)
                 callbacks.on_train_batch_end(stop - 1, dict(logs))
@@ -379,7 +382,7 @@ def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=Non
             callbacks.on_predict_batch_begin(step)
             results.append(coordinator.schedule(step_fn, args=(batch,)))
             callbacks.on_predict_batch_end(step, {})
-    coordinator.join()
+    cluster_health.join(strategy)
     outputs = [r.fetch() for r in results]
     progress.epoch_end({})
     callbacks.on_predict_end()

@@ -11,7 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from kfit_ps import _tf_compat
-from kfit_ps.training import functions, inputs, metric_state
+from kfit_ps.training import cluster_health, functions, inputs, metric_state
 from kfit_ps.training.loop import _logs, _prepare, strategy_for
 
 
@@ -37,7 +37,7 @@ def _run_for_metrics(model, method, fn_slot, make_fn, x, y, sample_weight, retur
     model.reset_metrics()
     accumulator = metric_state.Accumulator(fns.metric_state)
     accumulator.add(coordinator.schedule(make_fn(fns), args=(batch,)))
-    coordinator.join()
+    cluster_health.join(strategy)
     accumulator.commit()
     logs = _logs(model)
     if return_dict:
@@ -68,5 +68,5 @@ def predict_on_batch(model, x):
     _prepare(model, strategy, spec, "predict_on_batch")
     fns = functions.for_model(model, strategy, "predict_function")
     result = strategy.coordinator.schedule(fns.predict_batch(), args=(batch,))
-    strategy.coordinator.join()
+    cluster_health.join(strategy)
     return tf.nest.map_structure(np.asarray, result.fetch())

@@ -3,9 +3,10 @@
 import logging
 import re
 
+import keras
 import tensorflow as tf
 
-from kfit_ps import validation
+from kfit_ps import constants, validation
 from kfit_ps.training import checkpoint_files
 from kfit_ps.training.callbacks.base import SyncCallback, sync_every_from
 
@@ -148,3 +149,18 @@ class BackupAndRestore(SyncCallback):
             if older < self._sequence:
                 checkpoint_files.remove(self._path(older) + checkpoint_files.MARKER_SUFFIX)
                 checkpoint_files.remove(self._path(older))
+
+
+def with_launcher_backup(callbacks):
+    """`callbacks`, plus a `BackupAndRestore` when `kfit-ps run --backup-dir` asked for one.
+
+    A script that has its own backup callback (kfit_ps's or Keras') keeps it, alone.
+    """
+    callbacks = list(callbacks or [])
+    requested = constants.launcher_backup()
+    if requested is None or any(isinstance(cb, (BackupAndRestore,
+                                                keras.callbacks.BackupAndRestore))
+                                for cb in callbacks):
+        return callbacks
+    backup_dir, save_freq = requested
+    return callbacks + [BackupAndRestore(backup_dir, save_freq=save_freq)]

@@ -1,0 +1,104 @@
+"""The chief: the user's script as a child of the supervisor, its output live with a prefix."""
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+from kfit_ps import constants
+from kfit_ps._tf_log_filter import is_tf_log_line
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_supervisor():
+    """In the child: SIGKILL when the supervisor dies (even by SIGKILL); Linux only."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+class ChiefProcess:
+    """Runs `command` with `env`; copies each output line to `out` (prefixed) and `log_path`."""
+
+    def __init__(self, command, env, log_path, out=None, prefix="[chief] "):
+        self._log = open(log_path, "ab")
+        self._out = out or sys.stdout
+        self._prefix = prefix
+        self.process = subprocess.Popen(
+            list(command), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, preexec_fn=_die_with_supervisor)
+        self._pump = threading.Thread(target=self._copy_output, name="kfit_ps-chief-output",
+                                      daemon=True)
+        self._pump.start()
+
+    @property
+    def pid(self):
+        return self.process.pid
+
+    def _copy_output(self):
+        show_tf_logs, dropped = constants.show_tf_logs(), False
+        for line in iter(self.process.stdout.readline, b""):
+            self._log.write(line)  # The log file keeps every line.
+            self._log.flush()
+            dropped = not show_tf_logs and is_tf_log_line(line, dropped)
+            if dropped:  # Lines the chief wrote before `import kfit_ps` filtered its stderr.
+                continue
+            text = line.decode(errors="replace")
+            try:
+                self._out.write(self._prefix + text)
+                self._out.flush()
+            except (OSError, ValueError):
+                pass
+
+    def poll(self):
+        """The exit status once the process ended and its output is copied, else None."""
+        status = self.process.poll()
+        if status is None:
+            return None
+        self._pump.join(5.0)
+        return status
+
+    def stop(self, grace=5.0):
+        """SIGTERM, then SIGKILL after `grace` seconds; returns the exit status."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._pump.join(5.0)
+        self._log.close()
+        return self.process.returncode
+
+    def log_tail(self, lines=20):
+        try:
+            with open(self._log.name, "rb") as f:
+                text = f.read()[-200 * lines:].decode(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def close(self):
+        if not self._log.closed:
+            self._log.close()
+
+
+def environment(tf_config, backup_dir=None, save_freq="epoch", run_dir=None):
+    """The chief's environment: this process's, plus what the launcher tells it."""
+    env = dict(os.environ)
+    env[constants.TF_CONFIG] = tf_config
+    env[constants.LAUNCHED_ENV] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop(constants.BACKUP_DIR_ENV, None)
+    if backup_dir:
+        env[constants.BACKUP_DIR_ENV] = str(backup_dir)
+        env[constants.BACKUP_FREQ_ENV] = str(save_freq)
+    if run_dir:
+        env[constants.RUN_DIR_ENV] = str(run_dir)
+    return env

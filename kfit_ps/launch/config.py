@@ -1,0 +1,87 @@
+"""`LaunchConfig`: what `kfit-ps run` / `kfit_ps.run` starts and how it recovers."""
+
+import dataclasses
+
+from kfit_ps import validation
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """A job for the supervisor: the chief's command, the servers, the recovery budget.
+
+    Args:
+        command: the chief's command line, e.g. `("python", "train.py")`. May be
+            empty only with `tasks` that hold no chief (a host of servers).
+        num_workers: worker servers (local form). Defaults to 2.
+        num_ps: ps servers (local form). Defaults to 1.
+        max_restarts: restarts allowed per task (each worker, each ps, the chief)
+            before the job fails with a summary. Defaults to 3.
+        backup_dir: where `fit` backs up and resumes from (it adds a
+            `BackupAndRestore` when the script has none). Defaults to None: a
+            restarted chief starts over, unless the script backs up itself.
+        save_freq: backups every `save_freq` steps, or `"epoch"`. Defaults to "epoch".
+        run_dir: directory for per-task logs and `tasks.json`. Defaults to None
+            (a new temporary directory, kept and printed).
+        tasks: the multi-host form: the `(type, index)` tasks of `TF_CONFIG`'s
+            cluster to run on this host, e.g. `(("ps", 0), ("chief", 0))`.
+            Defaults to None: the whole cluster on this machine.
+        backoff: seconds before the first restart of a task; doubles with each
+            further restart of it, up to `max_backoff`. Defaults to 1.0 and 30.0.
+        ps_failure_grace: seconds the chief gets to stop by itself (its `fit`
+            raises `ParameterServerError`) after a ps is lost. Defaults to 60.
+    """
+
+    command: tuple = ()
+    num_workers: int = 2
+    num_ps: int = 1
+    max_restarts: int = 3
+    backup_dir: str = None
+    save_freq: object = "epoch"
+    run_dir: str = None
+    tasks: tuple = None
+    backoff: float = 1.0
+    max_backoff: float = 30.0
+    ps_failure_grace: float = 60.0
+
+    def __post_init__(self):
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        set_("command", tuple(str(part) for part in self.command))
+        set_("num_workers", validation.check_int("num_workers", self.num_workers, 1,
+                                                 owner="LaunchConfig", hint="(--workers)"))
+        set_("num_ps", validation.check_int("num_ps", self.num_ps, 1, owner="LaunchConfig",
+                                            hint="(--ps)"))
+        set_("max_restarts", validation.check_int("max_restarts", self.max_restarts, 0,
+                                                  owner="LaunchConfig",
+                                                  hint="(--max-restarts)"))
+        if self.save_freq != "epoch":
+            set_("save_freq", validation.check_int(
+                "save_freq", self.save_freq, 1, owner="LaunchConfig",
+                hint="(--save-freq) Pass 'epoch' or a number of steps."))
+        for name in ("backoff", "max_backoff", "ps_failure_grace"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"LaunchConfig: `{name}` must be a number of seconds >= 0. "
+                                 f"Received: {name}={value!r}.")
+        if self.tasks is not None:
+            set_("tasks", tuple((str(t), int(i)) for t, i in self.tasks))
+            if not self.tasks:
+                raise ValueError("LaunchConfig: `tasks` must name at least one task. "
+                                 "Received: tasks=(). Example: --tasks ps:0,worker:1")
+        runs_chief = self.tasks is None or ("chief", 0) in self.tasks
+        if runs_chief and not self.command:
+            raise ValueError(
+                "LaunchConfig: the chief needs a command. Received: command=(). Example: "
+                "kfit-ps run --workers 2 --ps 1 -- python train.py")
+        if not runs_chief and self.command:
+            raise ValueError(
+                f"LaunchConfig: a command runs as the chief, but tasks={self.tasks} has no "
+                "'chief:0'. Add chief:0 to --tasks on the chief's host, or drop the command.")
+
+    @property
+    def runs_chief(self):
+        return self.tasks is None or ("chief", 0) in self.tasks
+
+    def __repr__(self):
+        fields = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                  if getattr(self, f.name) != f.default or f.name == "command"]
+        return f"LaunchConfig({', '.join(fields)})"

@@ -1,0 +1,88 @@
+"""What to do when a task ends: a small policy object, apart from the process handling.
+
+| what ended | decision |
+| --- | --- |
+| the chief, exit code 0 | the job is done (`FINISH`) |
+| a worker | restart it at the same address; TensorFlow takes it back in the same chief |
+| a ps | its variables are gone: let the chief stop (its `fit` raises `ParameterServerError`), then restart the job |
+| the chief, killed by a signal, or with status 75 (`ClusterError`), or after a ps was lost | restart the job: every server of this host and the chief, which resumes from its last backup |
+| the chief, any other status | the program failed: not retried (`FAIL` with its status) |
+
+Restarting the ps tasks with the chief is deliberate: a ps keeps the variables a
+chief created for as long as it runs, so a ps that outlived five chiefs would hold
+five copies. Each task may be restarted `max_restarts` times, after `backoff`
+seconds doubling up to `max_backoff`; one more failure fails the job with a
+summary of that task's last exit and log lines.
+"""
+
+import collections
+import dataclasses
+import enum
+
+from kfit_ps.errors import EXIT_CLUSTER_ERROR
+from kfit_ps.launch.events import describe_status
+
+
+class Action(enum.Enum):
+    FINISH = "finish"
+    FAIL = "fail"
+    RESTART_TASK = "restart task"
+    RESTART_JOB = "restart job"
+    WAIT_FOR_CHIEF = "wait for the chief"
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str = ""
+    delay: float = 0.0
+    exit_status: int = 0
+
+
+class RestartPolicy:
+    """Decides on each `TaskExit`; counts restarts per task."""
+
+    def __init__(self, max_restarts=3, backoff=1.0, max_backoff=30.0):
+        self.max_restarts, self.backoff, self.max_backoff = max_restarts, backoff, max_backoff
+        self.restarts = collections.Counter()
+
+    def _restart(self, event, action, reason):
+        self.restarts[event.task] += 1
+        count = self.restarts[event.task]
+        if count > self.max_restarts:
+            return Decision(Action.FAIL, exit_status=1, reason=(
+                f"{event.describe()} and has failed {count} times; giving up "
+                f"(--max-restarts {self.max_restarts}). Its last log lines:\n{event.log_tail}"))
+        delay = min(self.backoff * 2 ** (count - 1), self.max_backoff)
+        return Decision(action, delay=delay, reason=(
+            f"{event.describe()}; {reason} (restart {count} of {self.max_restarts}, "
+            f"in {delay:g} s)"))
+
+    def decide(self, event, server_lost=False):
+        """The `Decision` for `event`; `server_lost`: a ps died since this chief started."""
+        if event.kind == "worker":
+            return self._restart(event, Action.RESTART_TASK,
+                                 "restarting it; training continues in the same chief")
+        if event.kind == "ps":
+            self.restarts[event.task] += 1
+            if self.restarts[event.task] > self.max_restarts:
+                self.restarts[event.task] -= 1
+                return self._restart(event, Action.FAIL, "")
+            return Decision(Action.WAIT_FOR_CHIEF, reason=(
+                f"{event.describe()}; the variables it held are gone: the chief stops, then "
+                "the job restarts from its last backup"))
+        if event.status == 0:
+            return Decision(Action.FINISH, reason="the chief finished", exit_status=0)
+        if server_lost:  # Already counted against the server that was lost.
+            delay = self.backoff
+            return Decision(Action.RESTART_JOB, delay=delay, reason=(
+                f"{event.describe()} after a ps was lost; restarting the job from its last "
+                "backup"))
+        if event.status == EXIT_CLUSTER_ERROR or event.status < 0:
+            why = ("a task it needs is unreachable" if event.status == EXIT_CLUSTER_ERROR
+                   else f"it was killed ({describe_status(event.status)})")
+            return self._restart(event, Action.RESTART_JOB,
+                                 f"{why}: restarting the job from its last backup")
+        return Decision(Action.FAIL, exit_status=event.status, reason=(
+            f"{event.describe()}: the program failed; a failure of the program itself is not "
+            "retried (its output above says why)"))

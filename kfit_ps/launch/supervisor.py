@@ -1,0 +1,232 @@
+"""The supervisor behind `kfit-ps run`: the parent of every process of a job.
+
+It starts the worker and ps servers (a `LocalCluster`, logs in the run
+directory), then the user's script as the chief with `TF_CONFIG` set, and
+watches them all. What it does when one ends is `policy.RestartPolicy`'s
+decision; this module only carries it out:
+
+- a worker is restarted at its address, and TensorFlow takes it back;
+- after a ps is lost, the chief's `fit` stops (`ParameterServerError`); if it
+  does not within `ps_failure_grace`, it is stopped; then the job restarts;
+- a job restart stops the chief, restarts every server of this host and
+  starts the chief again, which resumes from its last backup;
+- Ctrl-C or SIGTERM stops everything within seconds; if the supervisor itself
+  is killed, the servers (which watch it) and the chief (parent-death signal)
+  follow it.
+
+`run_dir/tasks.json` always lists the current process of each task. The
+exit status is the chief's (0 when it finished), 1 when a task failed more
+often than allowed, 128 + the signal when stopped by one.
+"""
+
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+from kfit_ps import constants
+from kfit_ps.cluster.local import LocalCluster
+from kfit_ps.cluster.spec import ClusterConfig
+from kfit_ps.launch import chief_process
+from kfit_ps.launch.events import TaskExit
+from kfit_ps.launch.policy import Action, RestartPolicy
+
+CHIEF = "chief:0"
+
+
+class Supervisor:
+    """Runs one `LaunchConfig` to the end; see the module doc."""
+
+    def __init__(self, config, policy=None, out=None):
+        self.config = config
+        self.policy = policy or RestartPolicy(config.max_restarts, config.backoff,
+                                              config.max_backoff)
+        self.out = out or sys.stdout
+        self.run_dir = config.run_dir or tempfile.mkdtemp(prefix="kfit_ps-run-")
+        self.cluster = None
+        self.chief = None
+        self._stop_signal = None
+        self._seen = set()  # (task, pid) of every exit already decided on
+        self._server_lost = False  # a ps was lost since the current chief started
+        self._ps_lost_at = None
+
+    def say(self, message):
+        print(f"kfit-ps run: {message}", file=self.out, flush=True)
+
+    # The whole run ---------------------------------------------------------------------------
+
+    def run(self):
+        """Starts the job and supervises it; returns its exit status."""
+        previous = self._catch_stop_signals()
+        try:
+            self._start()
+            return self._loop()
+        finally:
+            self._shutdown()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _catch_stop_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        previous = {}
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, self._on_stop_signal)
+        return previous
+
+    def _on_stop_signal(self, signum, frame):
+        self._stop_signal = signum
+
+    def _start(self):
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.say(f"{self.config!r}; logs in {self.run_dir}")
+        if self.config.runs_chief and not self.config.backup_dir:
+            self.say("no --backup-dir: if the chief or a ps is lost, the job starts over from "
+                     "the beginning (unless the script uses kfit_ps.callbacks.BackupAndRestore)")
+        self.cluster = self._make_cluster()
+        if self.cluster is not None:
+            self.cluster.start()
+            self.say(f"servers ready: {self.cluster.config!r}")
+        if self.config.runs_chief:
+            self._start_chief()
+        self._write_tasks()
+
+    def _make_cluster(self):
+        if self.config.tasks is None:
+            return LocalCluster(self.config.num_workers, self.config.num_ps,
+                                log_dir=self.run_dir)
+        servers = [t for t in self.config.tasks if t[0] in constants.SERVER_TASK_TYPES]
+        if not servers:
+            return None
+        return LocalCluster.for_tasks(ClusterConfig.from_tf_config(), servers,
+                                      log_dir=self.run_dir)
+
+    def _start_chief(self):
+        if self.config.tasks is None:
+            tf_config = self.cluster.config.to_tf_config(constants.CHIEF, 0)
+        else:
+            tf_config = ClusterConfig.from_tf_config().to_tf_config(constants.CHIEF, 0)
+        env = chief_process.environment(tf_config, self.config.backup_dir,
+                                        self.config.save_freq, self.run_dir)
+        self.chief = chief_process.ChiefProcess(
+            self.config.command, env, os.path.join(self.run_dir, "chief-0.log"), out=self.out)
+        self._server_lost, self._ps_lost_at = False, None
+        self._write_tasks()
+
+    # Supervision ----------------------------------------------------------------------------
+
+    def _loop(self):
+        while True:
+            if self._stop_signal is not None:
+                name = signal.Signals(self._stop_signal).name
+                self.say(f"{name} received: stopping every task")
+                return 128 + self._stop_signal
+            event = self._next_exit()
+            if event is None:
+                self._stop_chief_if_ps_grace_passed()
+                time.sleep(0.1)
+                continue
+            decision = self.policy.decide(event, server_lost=self._server_lost)
+            self.say(decision.reason)
+            if decision.action in (Action.FINISH, Action.FAIL):
+                return decision.exit_status
+            if decision.action is Action.WAIT_FOR_CHIEF and self.chief is not None:
+                self._server_lost, self._ps_lost_at = True, time.monotonic()
+                continue
+            if decision.action is Action.RESTART_JOB:
+                self._wait(decision.delay)
+                self._restart_job()
+                continue
+            # A worker, or a ps on a host without the chief: restart that server.
+            self._wait(decision.delay)
+            self._restart_server(event.task)
+
+    def _next_exit(self):
+        """The next process end not decided on yet (servers first), or None."""
+        if self.cluster is not None:
+            for (task_type, index), status in sorted(self.cluster.exited().items()):
+                key = (f"{task_type}:{index}", self.cluster.pid(task_type, index))
+                if key not in self._seen:
+                    self._seen.add(key)
+                    return TaskExit(key[0], status, self.cluster.log_tail(task_type, index))
+        if self.chief is not None:
+            status = self.chief.poll()
+            key = (CHIEF, self.chief.pid)
+            if status is not None and key not in self._seen:
+                self._seen.add(key)
+                return TaskExit(CHIEF, status, self.chief.log_tail())
+        return None
+
+    def _stop_chief_if_ps_grace_passed(self):
+        if self._ps_lost_at is None or self.chief is None or self.chief.poll() is not None:
+            return
+        if time.monotonic() - self._ps_lost_at > self.config.ps_failure_grace:
+            self.say(f"the chief did not stop within {self.config.ps_failure_grace:g} s of "
+                     "the ps loss; stopping it")
+            self.chief.stop()
+
+    def _wait(self, seconds):
+        end = time.monotonic() + seconds
+        while self._stop_signal is None and time.monotonic() < end:
+            time.sleep(0.05)
+
+    def _restart_server(self, task):
+        if self._stop_signal is not None:
+            return
+        task_type, index = task.split(":")
+        try:
+            self.cluster.restart(task_type, int(index))
+        except (RuntimeError, TimeoutError) as e:  # Its exit is the next event.
+            self.say(f"{task} did not start: {str(e).splitlines()[0]}")
+        self._write_tasks()
+
+    def _restart_job(self):
+        if self._stop_signal is not None:
+            return
+        if self.chief is not None:
+            self._seen.add((CHIEF, self.chief.pid))
+            self.chief.stop()
+        if self.cluster is not None:
+            try:
+                self.cluster.restart_all()
+            except (RuntimeError, TimeoutError) as e:
+                self.say(f"a server did not start: {str(e).splitlines()[0]}")
+        if self.config.runs_chief:
+            self._start_chief()
+        self._write_tasks()
+
+    def _write_tasks(self):
+        tasks = {}
+        if self.cluster is not None and self.cluster.config is not None:
+            for task_type, index in self.cluster.server_tasks():
+                tasks[f"{task_type}:{index}"] = self.cluster.pid(task_type, index)
+        if self.chief is not None:
+            tasks[CHIEF] = self.chief.pid
+        with open(os.path.join(self.run_dir, "tasks.json"), "w") as f:
+            json.dump({"supervisor": os.getpid(), "tasks": tasks,
+                       "restarts": dict(self.policy.restarts)}, f)
+
+    def _shutdown(self):
+        if self.chief is not None:
+            self.chief.stop()
+            self.chief.close()
+        if self.cluster is not None:
+            self.cluster.stop()
+
+
+def run(command=(), **kwargs):
+    """Runs `command` as the chief of a supervised job (`kfit-ps run`); returns its status.
+
+    ```python
+    status = kfit_ps.run(["python", "train.py"], num_workers=2, num_ps=1,
+                         backup_dir="/tmp/backup", save_freq=100)
+    ```
+
+    Keyword arguments are `LaunchConfig`'s.
+    """
+    from kfit_ps.launch.config import LaunchConfig
+
+    return Supervisor(LaunchConfig(command=tuple(command), **kwargs)).run()

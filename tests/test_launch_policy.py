@@ -1,0 +1,66 @@
+"""The launcher's decisions (policy) and configuration, without processes."""
+
+import pytest
+
+from kfit_ps.errors import EXIT_CLUSTER_ERROR
+from kfit_ps.launch import Action, LaunchConfig, RestartPolicy, TaskExit
+
+
+def decide(policy, task, status, server_lost=False):
+    return policy.decide(TaskExit(task, status, "last line"), server_lost=server_lost)
+
+
+@pytest.mark.parametrize("task, status, server_lost, action", [
+    ("chief:0", 0, False, Action.FINISH),
+    ("chief:0", 1, False, Action.FAIL),                 # the program failed: not retried
+    ("chief:0", 2, False, Action.FAIL),
+    ("chief:0", -9, False, Action.RESTART_JOB),         # chief lost (SIGKILL)
+    ("chief:0", EXIT_CLUSTER_ERROR, False, Action.RESTART_JOB),  # fit raised a ClusterError
+    ("chief:0", 1, True, Action.RESTART_JOB),           # it failed because a server was lost
+    ("worker:1", -9, False, Action.RESTART_TASK),
+    ("worker:0", 0, False, Action.RESTART_TASK),
+    ("ps:0", -9, False, Action.WAIT_FOR_CHIEF),
+])
+def test_decisions(task, status, server_lost, action):
+    decision = decide(RestartPolicy(), task, status, server_lost)
+    assert decision.action is action, decision
+    if action is Action.FAIL:
+        assert decision.exit_status == status and "not retried" in decision.reason
+
+
+def test_restarts_back_off_and_are_limited_per_task():
+    policy = RestartPolicy(max_restarts=3, backoff=1.0, max_backoff=3.0)
+    delays = [decide(policy, "worker:0", -9).delay for _ in range(3)]
+    assert delays == [1.0, 2.0, 3.0]  # doubling, capped
+    assert decide(policy, "worker:1", -9).delay == 1.0  # counted per task
+    final = decide(policy, "worker:0", -9)
+    assert final.action is Action.FAIL and final.exit_status == 1
+    assert "worker:0 ended with signal SIGKILL" in final.reason
+    assert "failed 4 times" in final.reason and "--max-restarts 3" in final.reason
+    assert "last line" in final.reason  # the task's last log lines
+    policy = RestartPolicy(max_restarts=1)
+    assert decide(policy, "ps:0", -9).action is Action.WAIT_FOR_CHIEF
+    assert decide(policy, "ps:0", -9).action is Action.FAIL
+    assert decide(policy, "chief:0", -15).action is Action.RESTART_JOB
+    assert decide(policy, "chief:0", -15).action is Action.FAIL
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(command=()), "the chief needs a command"),
+    (dict(command=("python", "x.py"), num_workers=0), "`num_workers` must be a positive"),
+    (dict(command=("python", "x.py"), max_restarts=-1), "max_restarts=-1"),
+    (dict(command=("python", "x.py"), save_freq=0), "save_freq=0"),
+    (dict(command=("python", "x.py"), tasks=(("ps", 0),)), "has no 'chief:0'"),
+    (dict(command=("python", "x.py"), backoff=-1), "backoff=-1"),
+])
+def test_config_errors_name_the_argument(kwargs, fragment):
+    with pytest.raises(ValueError) as e:
+        LaunchConfig(**kwargs)
+    assert fragment in str(e.value)
+
+
+def test_config_repr_shows_what_differs_from_defaults():
+    config = LaunchConfig(command=["python", "train.py"], num_ps=2, save_freq=100)
+    assert repr(config) == ("LaunchConfig(command=('python', 'train.py'), num_ps=2, "
+                            "save_freq=100)")
+    assert LaunchConfig(tasks=[("ps", 0)]).runs_chief is False
