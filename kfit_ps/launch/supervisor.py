@@ -35,6 +35,7 @@ from kfit_ps.launch.events import TaskExit
 from kfit_ps.launch.policy import Action, RestartPolicy
 
 CHIEF = "chief:0"
+JOB = "the job"
 
 
 class Supervisor:
@@ -52,6 +53,7 @@ class Supervisor:
         self._seen = set()  # (task, pid) of every exit already decided on
         self._server_lost = False  # a ps was lost since the current chief started
         self._ps_lost_at = None
+        self._due = {}  # task (or JOB) -> when to restart it: back-offs never block the loop
 
     def say(self, message):
         print(f"kfit-ps run: {message}", file=self.out, flush=True)
@@ -127,6 +129,7 @@ class Supervisor:
             event = self._next_exit()
             if event is None:
                 self._stop_chief_if_ps_grace_passed()
+                self._restart_what_is_due()
                 time.sleep(0.1)
                 continue
             decision = self.policy.decide(event, server_lost=self._server_lost)
@@ -136,13 +139,21 @@ class Supervisor:
             if decision.action is Action.WAIT_FOR_CHIEF and self.chief is not None:
                 self._server_lost, self._ps_lost_at = True, time.monotonic()
                 continue
-            if decision.action is Action.RESTART_JOB:
-                self._wait(decision.delay)
+            # RESTART_JOB; RESTART_TASK for a worker, or a ps on a host without the chief.
+            task = JOB if decision.action is Action.RESTART_JOB else event.task
+            self._due[task] = time.monotonic() + decision.delay
+
+    def _restart_what_is_due(self):
+        now = time.monotonic()
+        if JOB in self._due:
+            if self._due[JOB] <= now:
+                self._due.clear()  # A job restart restarts every server too.
                 self._restart_job()
-                continue
-            # A worker, or a ps on a host without the chief: restart that server.
-            self._wait(decision.delay)
-            self._restart_server(event.task)
+            return
+        for task, due in sorted(self._due.items()):
+            if due <= now:
+                del self._due[task]
+                self._restart_server(task)
 
     def _next_exit(self):
         """The next process end not decided on yet (servers first), or None."""
@@ -167,11 +178,6 @@ class Supervisor:
             self.say(f"the chief did not stop within {self.config.ps_failure_grace:g} s of "
                      "the ps loss; stopping it")
             self.chief.stop()
-
-    def _wait(self, seconds):
-        end = time.monotonic() + seconds
-        while self._stop_signal is None and time.monotonic() < end:
-            time.sleep(0.05)
 
     def _restart_server(self, task):
         if self._stop_signal is not None:
