@@ -93,11 +93,19 @@ def test_layers_point_one_way_and_private_apis_stay_in_tf_compat(path):
 
 def test_every_module_imports_on_its_own():
     """Catches import cycles: each module first in a fresh interpreter."""
+    import concurrent.futures
+    import os
+
     code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
-    for module in modules():
-        proc = subprocess.run([sys.executable, "-c", code, module], env=helpers.chief_env(),
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, f"{module}: {proc.stderr[-2000:]}"
+
+    def import_alone(module):
+        return module, subprocess.run([sys.executable, "-c", code, module],
+                                      env=helpers.chief_env(), capture_output=True, text=True,
+                                      timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        for module, proc in pool.map(import_alone, modules()):
+            assert proc.returncode == 0, f"{module}: {proc.stderr[-2000:]}"
 
 
 def test_no_module_is_huge():

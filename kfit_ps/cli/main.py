@@ -4,6 +4,8 @@
     kfit-ps run --workers 2 --ps 1 [--backup-dir D --save-freq N] -- python train.py ARGS
                                     run a script as the chief of a supervised job that
                                     survives the loss of any task
+    kfit-ps manifests --name job --image IMG --workers 4 --ps 2 -- python /app/train.py
+                                    print the job's Kubernetes manifests (YAML)
     kfit-ps server                  run this machine's worker/ps server (TF_CONFIG)
     kfit-ps local --workers 2 --ps 1
                                     start a local cluster and print the chief's TF_CONFIG
@@ -118,6 +120,42 @@ def _cmd_run(args, parser):
     except ValueError as e:
         parser.error(str(e))
     return Supervisor(config).run()
+
+
+def _resources(parser, flag, text):
+    """`worker=2,ps=1` -> {"worker": "2", "ps": "1"}."""
+    resources = {}
+    for item in (text or "").split(","):
+        if not item:
+            continue
+        task_type, sep, value = item.partition("=")
+        if not sep or task_type not in ("chief", "worker", "ps", "evaluator") or not value:
+            _flag_error(parser, flag, text, "must be TYPE=VALUE pairs separated by commas, "
+                        "e.g. worker=2,ps=1,chief=1.")
+        resources[task_type] = value
+    return resources
+
+
+def _cmd_manifests(args, parser):
+    import shlex
+
+    from kfit_ps.launch.manifests import ManifestConfig, render, to_yaml
+
+    command = list(args.chief_command)
+    if command and command[0] == "--":
+        command = command[1:]
+    try:
+        config = ManifestConfig(
+            name=args.name, image=args.image, command=command, num_workers=args.workers,
+            num_ps=args.ps, namespace=args.namespace, port=args.port, claim=args.claim,
+            evaluator_command=shlex.split(args.evaluator) if args.evaluator else None,
+            backup_dir=args.backup_dir, save_freq=args.save_freq,
+            max_restarts=args.max_restarts, cpu=_resources(parser, "--cpu", args.cpu),
+            memory=_resources(parser, "--memory", args.memory))
+    except ValueError as e:
+        parser.error(str(e))
+    sys.stdout.write(to_yaml(render(config)))
+    return 0
 
 
 def _cmd_local(args, parser):
@@ -242,6 +280,32 @@ def build_parser():
     run.add_argument("chief_command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                      help="the chief's command, e.g. -- python train.py")
     run.set_defaults(handler=_cmd_run)
+
+    manifests = sub.add_parser(
+        "manifests", help="print the Kubernetes manifests of a job (YAML)",
+        description="Renders Services, Deployments (workers, ps), Jobs (chief, evaluator) and "
+                    "a NetworkPolicy; apply with `kubectl apply -f -`.")
+    manifests.add_argument("--name", required=True, help="the job's name (a DNS label)")
+    manifests.add_argument("--image", required=True, help="container image")
+    manifests.add_argument("--workers", type=int, default=2)
+    manifests.add_argument("--ps", type=int, default=1)
+    manifests.add_argument("--namespace", default="default")
+    manifests.add_argument("--port", type=int, default=2222)
+    manifests.add_argument("--claim", default=None,
+                           help="PersistentVolumeClaim mounted at /shared in every pod")
+    manifests.add_argument("--backup-dir", default=None,
+                           help="the chief's --backup-dir (default /shared/backup with --claim)")
+    manifests.add_argument("--save-freq", default=100, type=lambda v: v if v == "epoch"
+                           else int(v))
+    manifests.add_argument("--max-restarts", type=int, default=3)
+    manifests.add_argument("--evaluator", default=None,
+                           help='the evaluator\'s command, e.g. "kfit-ps evaluator '
+                                '--checkpoint-dir /shared/ckpt --model-fn m:f --data-fn m:g"')
+    manifests.add_argument("--cpu", default="", help="CPU requests, e.g. worker=2,ps=1,chief=1")
+    manifests.add_argument("--memory", default="", help="memory requests, e.g. ps=8Gi")
+    manifests.add_argument("chief_command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                           help="the chief's command, e.g. -- python /app/train.py")
+    manifests.set_defaults(handler=_cmd_manifests)
 
     local = sub.add_parser("local", help="start a local cluster and print its TF_CONFIG")
     local.add_argument("--workers", type=int, default=constants.env_int(constants.WORKERS_ENV, 2))

@@ -79,7 +79,10 @@ def generate(directory, rows, spec=CriteoSpec(), files=1, seed=0, zipf_a=1.2,
     if rows < 1 or files < 1:
         raise ValueError(f"generate: `rows` and `files` must be >= 1. Received: rows={rows!r}, "
                          f"files={files!r}.")
-    os.makedirs(directory, exist_ok=True)
+    import tensorflow as tf
+
+    directory = os.fspath(directory)
+    tf.io.gfile.makedirs(directory)  # Any TensorFlow file system: gs://, ram://, local.
     rng = np.random.default_rng(seed)
     cardinalities = np.array(spec.cardinalities)
     ids = np.empty((rows, NUM_CATEGORICAL), dtype=np.int64)
@@ -98,8 +101,8 @@ def generate(directory, rows, spec=CriteoSpec(), files=1, seed=0, zipf_a=1.2,
     table = np.concatenate([labels[:, None].astype(str), dense_text, cat_text], axis=1)
     paths = []
     for index, part in enumerate(np.array_split(table, files)):
-        path = os.path.join(directory, f"part-{index:05d}.tsv")
-        with open(path, "w") as f:
+        path = f"{directory.rstrip('/')}/part-{index:05d}.tsv"
+        with tf.io.gfile.GFile(path, "w") as f:
             f.write("\n".join("\t".join(row) for row in part))
             f.write("\n")
         paths.append(path)

@@ -185,6 +185,7 @@ class Supervisor:
         task_type, index = task.split(":")
         try:
             self.cluster.restart(task_type, int(index))
+            self.say(f"{task} is back (pid {self.cluster.pid(task_type, int(index))})")
         except (RuntimeError, TimeoutError) as e:  # Its exit is the next event.
             self.say(f"{task} did not start: {str(e).splitlines()[0]}")
         self._write_tasks()

@@ -4,6 +4,7 @@ import os
 import tempfile
 
 import keras
+import tensorflow as tf
 
 
 def export_saved_model(model, path):
@@ -24,10 +25,10 @@ def export_saved_model(model, path):
 
     Args:
         model: a Keras model (trained under a kfit_ps strategy or not).
-        path: directory to write; must not exist yet.
+        path: directory to write (local or a `tf.io.gfile` URL); must not exist yet.
     """
     path = os.fspath(path)
-    if os.path.exists(path):
+    if tf.io.gfile.exists(path):
         raise ValueError(f"export_saved_model: `path` already exists. Received: path={path!r}. "
                          "Choose a new directory (for example, one per model version).")
     with tempfile.TemporaryDirectory(prefix="kfit_ps_export_") as workdir:

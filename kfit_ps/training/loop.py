@@ -8,7 +8,7 @@ Who owns what:
 - **Arguments** (`steps_per_epoch`, `steps`, `validation_steps`, input types):
   validated here and in `inputs.adapt`, before anything is scheduled.
 - **Model state**: built here, under the strategy scope, from the input's
-  element spec (`_prepare`), then checked to live on the ps tasks.
+  element spec (`prepare`), then checked to live on the ps tasks.
 - **Per-worker datasets**: created once per call with
   `ClusterCoordinator.create_per_worker_dataset`; their iterators continue
   across epochs, so an epoch is `steps_per_epoch` batches, not a pass.
@@ -21,7 +21,7 @@ Who owns what:
 - **Metric state**: each scheduled function returns its own; the coordinator
   adds each finished function's state once (`metric_state.Accumulator`) and
   writes it to the metric variables after `join()`: exactly-once metrics.
-- **Metric reads**: after that, on the coordinator (`_logs`), converted to
+- **Metric reads**: after that, on the coordinator (`metric_logs`), converted to
   Python floats.
 - **Callbacks**: a Keras `CallbackList`; batch-level semantics in
   `callback_policy`; resuming (`resume_position`) and N-step work in
@@ -62,7 +62,13 @@ def strategy_for(model):
 _TRAINING = ("fit", "train_on_batch")
 
 
-def _prepare(model, strategy, element_spec, method):
+def prepare(model, strategy, element_spec, method):
+    """Checks `model` for `method` (`fit`, `predict_on_batch`, ...), then builds its state.
+
+    Everything a function scheduled on workers needs is created here, under
+    the strategy's scope, from `element_spec`; errors name the misplaced or
+    unsupported object before anything is scheduled.
+    """
     if getattr(model, "run_eagerly", False):
         raise ValueError(
             f"`{method}` under parameter-server training runs compiled functions on remote "
@@ -148,7 +154,7 @@ def _pythonify(logs):
     return result
 
 
-def _logs(model):
+def metric_logs(model):
     return _pythonify(model.get_metrics_result())
 
 
@@ -211,7 +217,7 @@ class _Evaluation:
                 callbacks.on_test_batch_end(step, {})
         cluster_health.join(strategy)
         accumulator.commit()
-        logs = _logs(model)
+        logs = metric_logs(model)
         if last >= 0:  # Per-worker input: the last batch end comes after the join.
             callbacks.on_test_batch_end(last, dict(logs))
         callbacks.on_test_end(logs)
@@ -265,7 +271,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                                  "validation_steps")
     check_callbacks(callbacks)
     callbacks = with_launcher_backup(callbacks)
-    _prepare(model, strategy, train_input.element_spec, "fit")
+    prepare(model, strategy, train_input.element_spec, "fit")
 
     coordinator = strategy.coordinator
     fns = functions.for_model(model, strategy, "train_function")
@@ -302,7 +308,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                                 callbacks.on_train_batch_end, accumulator)
                 cluster_health.join(strategy)
                 accumulator.commit()
-                logs = _logs(model)
+                logs = metric_logs(model)
                 callbacks.on_train_batch_end(stop - 1, dict(logs))
                 sync.synchronised(epoch, stop, dict(logs))
                 step = stop
@@ -333,7 +339,7 @@ def evaluate(model, x=None, y=None, batch_size=None, verbose="auto", sample_weig
                               training=False)
     evaluation = _Evaluation(model, strategy, eval_input, steps, "steps")
     check_callbacks(callbacks)
-    _prepare(model, strategy, eval_input.element_spec, "evaluate")
+    prepare(model, strategy, eval_input.element_spec, "evaluate")
     callbacks = CallbackList(callbacks, add_progbar=False, model=model, verbose=verbose,
                              epochs=1, steps=evaluation.num_steps)
     progress = Progress(verbose, 1, evaluation.num_steps or 1)
@@ -360,7 +366,7 @@ def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=Non
         "for a DatasetCreator or an infinite dataset" if isinstance(
             pred_input, inputs.WorkerInput) else None))
     check_callbacks(callbacks)
-    _prepare(model, strategy, pred_input.element_spec, "predict")
+    prepare(model, strategy, pred_input.element_spec, "predict")
     coordinator = strategy.coordinator
     fns = functions.for_model(model, strategy, "predict_function")
     num_steps = steps or pred_input.num_batches

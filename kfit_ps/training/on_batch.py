@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from kfit_ps import _tf_compat
 from kfit_ps.training import cluster_health, functions, inputs, metric_state
-from kfit_ps.training.loop import _logs, _prepare, strategy_for
+from kfit_ps.training.loop import metric_logs, prepare, strategy_for
 
 
 def _one_batch(method, x, y=None, sample_weight=None):
@@ -31,7 +31,7 @@ def _one_batch(method, x, y=None, sample_weight=None):
 def _run_for_metrics(model, method, fn_slot, make_fn, x, y, sample_weight, return_dict):
     strategy = strategy_for(model)
     spec, batch = _one_batch(method, x, y, sample_weight)
-    _prepare(model, strategy, spec, method)
+    prepare(model, strategy, spec, method)
     fns = functions.for_model(model, strategy, fn_slot)
     coordinator = strategy.coordinator
     model.reset_metrics()
@@ -39,7 +39,7 @@ def _run_for_metrics(model, method, fn_slot, make_fn, x, y, sample_weight, retur
     accumulator.add(coordinator.schedule(make_fn(fns), args=(batch,)))
     cluster_health.join(strategy)
     accumulator.commit()
-    logs = _logs(model)
+    logs = metric_logs(model)
     if return_dict:
         return logs
     return _tf_compat.flatten_metrics_in_order(model, logs)
@@ -65,7 +65,7 @@ def predict_on_batch(model, x):
     """Parameter-server `Model.predict_on_batch`: the batch's predictions as numpy arrays."""
     strategy = strategy_for(model)
     spec, batch = _one_batch("predict_on_batch", x)
-    _prepare(model, strategy, spec, "predict_on_batch")
+    prepare(model, strategy, spec, "predict_on_batch")
     fns = functions.for_model(model, strategy, "predict_function")
     result = strategy.coordinator.schedule(fns.predict_batch(), args=(batch,))
     cluster_health.join(strategy)

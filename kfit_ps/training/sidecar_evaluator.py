@@ -144,14 +144,13 @@ class SidecarEvaluator:
     # Discovery ---------------------------------------------------------------------------
 
     def _candidates(self):
-        """(checkpoints not yet evaluated as (key, path, data, step or None), in order;
-        how many files may still be being written)."""
+        """Checkpoints not yet evaluated, as (key, path, data, step or None), in order."""
         try:
             names = tf.io.gfile.listdir(self.checkpoint_dir)
         except tf.errors.NotFoundError:
             return [], 0
         managed = checkpoint_files.managed_by_kfit_ps(self.checkpoint_dir)
-        found, unsettled = [], 0
+        found = []
         now = time.time()
         for name in names:
             name = name.rstrip("/")
@@ -174,12 +173,10 @@ class SidecarEvaluator:
                     continue
                 data = checkpoint_files.read_verified(path, marker)
                 if data is None:  # Rewritten since its marker: wait for the new marker.
-                    unsettled += 1
                     continue
                 step = marker["step"]
             elif managed or now - stat.mtime_nsec / 1e9 < self.settle_seconds:
-                unsettled += 1  # In flight (kfit_ps publishes with a marker), or unsettled.
-                continue
+                continue  # In flight (kfit_ps publishes with a marker), or still changing.
             else:
                 key = (path, "file", stat.mtime_nsec, stat.length)
                 if key in self._seen:
@@ -190,7 +187,7 @@ class SidecarEvaluator:
             found.append((stat.mtime_nsec, key, path, data, step))
         # In training order: by step where a marker gives it (file times may tie), then time.
         found.sort(key=lambda item: (item[4] is None, item[4] or 0, item[0], item[2]))
-        return [(key, path, data, step) for _, key, path, data, step in found], unsettled
+        return [(key, path, data, step) for _, key, path, data, step in found]
 
     # One evaluation ----------------------------------------------------------------------
 
@@ -273,7 +270,7 @@ class SidecarEvaluator:
             while not self._done():
                 finished = checkpoint_files.training_done(self.checkpoint_dir) is not None
                 progressed = False
-                candidates, unsettled = self._candidates()
+                candidates = self._candidates()
                 for key, path, data, step in candidates:
                     try:
                         evaluation = self._evaluate(path, data, step)
@@ -290,8 +287,10 @@ class SidecarEvaluator:
                 if progressed:
                     last_new = time.monotonic()
                     continue
-                if finished and not unsettled:
-                    break  # Training ended before this scan: nothing more will come.
+                if finished:
+                    # kfit_ps training marks itself done after publishing its last
+                    # checkpoint, so this scan saw them all; unpublished files never will be.
+                    break
                 idle_timeout = self._idle_timeout()
                 if idle_timeout is not None and self.idle_timeout is None and (
                         announced != idle_timeout):

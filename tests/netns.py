@@ -1,0 +1,87 @@
+"""Test hosts as Linux network namespaces: each its own network stack and address.
+
+`Hosts(names)` creates one namespace per name, plus a "switch" namespace with a
+bridge; each host gets a veth pair to the bridge and the address 10.213.0.<10+i>/24.
+Nothing is added to this machine's own network namespace (the veth pairs are
+moved out as soon as they are made). `run(host, args)` starts a process inside
+a host. `close()` kills those processes and deletes every namespace; a
+session-level sweep (`remove_leftovers`) removes namespaces of earlier runs
+that died before their cleanup.
+
+Needs root and the `ip` command; `unavailable()` says why when they are missing.
+"""
+
+import os
+import shutil
+import subprocess
+import uuid
+
+PREFIX = "kfitps-"
+SUBNET = "10.213.0"
+
+
+def unavailable():
+    """Why namespaces cannot be made here, or None."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "the `ip` command (iproute2) is not installed"
+    return None
+
+
+def _ip(*args, check=True):
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+def remove_leftovers():
+    """Deletes namespaces that a killed test run left behind."""
+    listing = _ip("netns", "list", check=False).stdout.split()
+    for name in listing:
+        if name.startswith(PREFIX):
+            _ip("netns", "del", name, check=False)
+
+
+class Hosts:
+    def __init__(self, names):
+        self.tag = uuid.uuid4().hex[:6]
+        self.switch = f"{PREFIX}{self.tag}-sw"
+        self.namespaces = {name: f"{PREFIX}{self.tag}-{name}" for name in names}
+        self.addresses = {name: f"{SUBNET}.{10 + i}" for i, name in enumerate(names)}
+        self.processes = []
+        try:
+            _ip("netns", "add", self.switch)
+            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "br0", "up")
+            for i, name in enumerate(names):
+                self._add_host(i, name)
+        except BaseException:
+            self.close()
+            raise
+
+    def _add_host(self, i, name):
+        ns, inside, outside = self.namespaces[name], f"kv{self.tag}{i}", f"kb{self.tag}{i}"
+        _ip("netns", "add", ns)
+        # Made in the switch namespace, so this machine's own namespace never holds them.
+        _ip("-n", self.switch, "link", "add", inside, "type", "veth", "peer", "name", outside)
+        _ip("-n", self.switch, "link", "set", inside, "netns", ns)
+        _ip("-n", self.switch, "link", "set", outside, "master", "br0", "up")
+        _ip("-n", ns, "addr", "add", f"{self.addresses[name]}/24", "dev", inside)
+        _ip("-n", ns, "link", "set", inside, "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+
+    def run(self, host, args, **popen_kwargs):
+        """Starts `args` inside `host`'s namespace (the caller reaps it; `close` kills it)."""
+        from tests import helpers
+
+        proc = helpers.popen(["ip", "netns", "exec", self.namespaces[host], *args],
+                             **popen_kwargs)
+        self.processes.append(proc)
+        return proc
+
+    def close(self):
+        for proc in self.processes:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        for ns in [*self.namespaces.values(), self.switch]:
+            _ip("netns", "del", ns, check=False)
