@@ -17,6 +17,7 @@ and `LocalCluster` passes the environment on to its servers.
 | `KFIT_PS_BACKUP_DIR` | unset | set by `kfit-ps run --backup-dir`: `fit` adds a `BackupAndRestore` there when the script has none |
 | `KFIT_PS_BACKUP_FREQ` | `epoch` | its `save_freq` (`epoch` or a number of steps) |
 | `KFIT_PS_RUN_DIR` | unset | set by `kfit-ps run` in the chief: the run directory (logs, `tasks.json`) |
+| `KFIT_PS_ISOLATED` | unset | set by `kfit-ps quickstart` / `kfit-ps run --isolated` in the private network namespace they re-execute in |
 | `KFIT_PS_PROGRESS_INTERVAL` | `0.25` | seconds between progress-bar updates during `fit` (no synchronisation) |
 | `KFIT_PS_EVALUATOR_IDLE_TIMEOUT` | `1800` | seconds a side-car evaluator waits for a new checkpoint in a directory that kfit_ps training does not write |
 | `KFIT_PS_LOG_LEVEL` | `WARNING` | log level of the `kfit_ps` logger in the `kfit-ps` commands (a program that imports kfit_ps sets its own) |
@@ -41,6 +42,7 @@ LAUNCHED_ENV = "KFIT_PS_LAUNCHED"
 BACKUP_DIR_ENV = "KFIT_PS_BACKUP_DIR"
 BACKUP_FREQ_ENV = "KFIT_PS_BACKUP_FREQ"
 RUN_DIR_ENV = "KFIT_PS_RUN_DIR"
+ISOLATED_ENV = "KFIT_PS_ISOLATED"
 EVALUATOR_IDLE_TIMEOUT_ENV = "KFIT_PS_EVALUATOR_IDLE_TIMEOUT"
 WORKERS_ENV = "KFIT_PS_WORKERS"
 PS_ENV = "KFIT_PS_PS"
@@ -107,6 +109,11 @@ def progress_interval():
 def tf_config():
     """The raw `TF_CONFIG` JSON, or None when unset or empty."""
     return os.environ.get(TF_CONFIG) or None
+
+
+def isolated_network():
+    """Whether this process runs in kfit_ps's private network namespace (loopback only)."""
+    return os.environ.get(ISOLATED_ENV) == "1"
 
 
 def launched():

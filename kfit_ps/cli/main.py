@@ -37,11 +37,33 @@ def _require_positive(parser, *flags):
             _flag_error(parser, flag, value, "must be an integer >= 1.")
 
 
+def _network(requested, argv):
+    """Re-executes in a private network namespace when `requested` is "isolated" and that is
+    possible (never returns then); returns the mode that runs, after saying which."""
+    from kfit_ps.launch import isolation
+
+    if isolation.inside():
+        isolation.enter()
+        print("kfit-ps: network isolated: the servers run in a private network namespace with "
+              "loopback only; no other host or process can reach their ports.",
+              file=sys.stderr, flush=True)
+        return "isolated"
+    if requested == "isolated":
+        why = isolation.available()
+        if why is None:
+            isolation.reexec_isolated([sys.executable, "-m", "kfit_ps.cli.main", *argv])
+        print(f"kfit-ps: network not isolated ({why}): the servers use this machine's "
+              "network.", file=sys.stderr, flush=True)
+    return "host"
+
+
 def _cmd_quickstart(args, parser):
     from kfit_ps.jobs.quickstart import QuickstartConfig, run
 
     _require_positive(parser, ("--workers", args.workers), ("--ps", args.ps),
                       ("--epochs", args.epochs), ("--steps-per-epoch", args.steps_per_epoch))
+    if not constants.launched():  # Under `kfit-ps run`, its servers: their network decides.
+        _network(args.network, args.argv)
     config = QuickstartConfig(num_workers=args.workers, num_ps=args.ps, epochs=args.epochs,
                               steps_per_epoch=args.steps_per_epoch, verbose=args.verbose)
     print(f"kfit-ps quickstart: {config}", flush=True)
@@ -103,6 +125,10 @@ def _parse_tasks(parser, text):
 def _cmd_run(args, parser):
     from kfit_ps.launch import LaunchConfig, Supervisor
 
+    if args.isolated and args.tasks is not None:
+        _flag_error(parser, "--isolated", "with --tasks", "isolates a job that runs on this "
+                    "machine alone; a host of a multi-host job needs its network.")
+    _network("isolated" if args.isolated else "host", args.argv)
     command = list(args.chief_command)
     if command and command[0] == "--":
         command = command[1:]
@@ -245,6 +271,9 @@ def build_parser():
     quick.add_argument("--epochs", type=int, default=3)
     quick.add_argument("--steps-per-epoch", type=int, default=100)
     quick.add_argument("--verbose", type=int, default=1, choices=(0, 1, 2))
+    quick.add_argument("--network", choices=("isolated", "host"), default="isolated",
+                       help="isolated (default where possible): servers in a private network "
+                            "namespace; host: this machine's network")
     quick.set_defaults(handler=_cmd_quickstart)
 
     server = sub.add_parser("server", help="run a worker or ps server from TF_CONFIG or flags")
@@ -274,6 +303,9 @@ def build_parser():
                      help="backup frequency: 'epoch' or a number of steps (default epoch)")
     run.add_argument("--run-dir", default=None,
                      help="per-task logs and tasks.json (default: a new temporary directory)")
+    run.add_argument("--isolated", action="store_true",
+                     help="run the job in a private network namespace (loopback only); the "
+                          "script then cannot reach remote data or gs://")
     run.add_argument("--tasks", default=None,
                      help="multi-host form: this host's tasks of TF_CONFIG's cluster, e.g. "
                           "ps:0,worker:1 (chief:0 runs the command)")
@@ -347,6 +379,7 @@ def main(argv=None):
     _configure_logging()
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # to re-execute isolated
     status = args.handler(args, parser)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -384,7 +384,7 @@ _warned = []
 
 
 def _warn_once_about_interfaces():
-    if not _warned:
+    if not _warned and not constants.isolated_network():  # Isolated: nothing else can reach us.
         _warned.append(True)
         log.warning("kfit_ps: LocalCluster servers listen on all network interfaces and accept "
                     "unauthenticated connections (TensorFlow servers always do); run on a "
