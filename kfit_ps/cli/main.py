@@ -25,36 +25,14 @@ import sys
 import threading
 
 from kfit_ps import constants  # noqa: E402 - imports kfit_ps, which keeps TF's C++ logs quiet
-
-
-def _flag_error(parser, flag, value, fix):
-    parser.error(f"{flag}: {fix} Received: {flag} {value!r}.")
+from kfit_ps.cli import launch_commands  # noqa: E402
+from kfit_ps.cli.flags import flag_error  # noqa: E402
 
 
 def _require_positive(parser, *flags):
     for flag, value in flags:
         if value < 1:
-            _flag_error(parser, flag, value, "must be an integer >= 1.")
-
-
-def _network(requested, argv):
-    """Re-executes in a private network namespace when `requested` is "isolated" and that is
-    possible (never returns then); returns the mode that runs, after saying which."""
-    from kfit_ps.launch import isolation
-
-    if isolation.inside():
-        isolation.enter()
-        print("kfit-ps: network isolated: the servers run in a private network namespace with "
-              "loopback only; no other host or process can reach their ports.",
-              file=sys.stderr, flush=True)
-        return "isolated"
-    if requested == "isolated":
-        why = isolation.available()
-        if why is None:
-            isolation.reexec_isolated([sys.executable, "-m", "kfit_ps.cli.main", *argv])
-        print(f"kfit-ps: network not isolated ({why}): the servers use this machine's "
-              "network.", file=sys.stderr, flush=True)
-    return "host"
+            flag_error(parser, flag, value, "must be an integer >= 1.")
 
 
 def _cmd_quickstart(args, parser):
@@ -63,7 +41,7 @@ def _cmd_quickstart(args, parser):
     _require_positive(parser, ("--workers", args.workers), ("--ps", args.ps),
                       ("--epochs", args.epochs), ("--steps-per-epoch", args.steps_per_epoch))
     if not constants.launched():  # Under `kfit-ps run`, its servers: their network decides.
-        _network(args.network, args.argv)
+        launch_commands.network(args.network, args.argv)
     config = QuickstartConfig(num_workers=args.workers, num_ps=args.ps, epochs=args.epochs,
                               steps_per_epoch=args.steps_per_epoch, verbose=args.verbose)
     print(f"kfit-ps quickstart: {config}", flush=True)
@@ -78,7 +56,7 @@ def _server_config(args, parser):
         try:
             cluster = json.loads(args.cluster)
         except json.JSONDecodeError as e:
-            _flag_error(parser, "--cluster", args.cluster, f"must be JSON ({e.msg}), e.g. "
+            flag_error(parser, "--cluster", args.cluster, f"must be JSON ({e.msg}), e.g. "
                         '\'{"worker": ["h:2222"], "ps": ["h:2223"]}\'.')
         task_type, task_index, source = args.task_type, args.task_index, "--cluster"
         if task_type is None:
@@ -111,79 +89,6 @@ def _cmd_server(args, parser):
     return 0
 
 
-def _parse_tasks(parser, text):
-    tasks = []
-    for item in (text or "").split(","):
-        task_type, sep, index = item.strip().partition(":")
-        if not sep or task_type not in ("chief", "worker", "ps") or not index.isdigit():
-            _flag_error(parser, "--tasks", text, "must be a comma-separated list of TYPE:INDEX "
-                        "with TYPE chief, worker or ps, e.g. --tasks ps:0,worker:1.")
-        tasks.append((task_type, int(index)))
-    return tuple(tasks)
-
-
-def _cmd_run(args, parser):
-    from kfit_ps.launch import LaunchConfig, Supervisor
-
-    if args.isolated and args.tasks is not None:
-        _flag_error(parser, "--isolated", "with --tasks", "isolates a job that runs on this "
-                    "machine alone; a host of a multi-host job needs its network.")
-    _network("isolated" if args.isolated else "host", args.argv)
-    command = list(args.chief_command)
-    if command and command[0] == "--":
-        command = command[1:]
-    tasks = _parse_tasks(parser, args.tasks) if args.tasks is not None else None
-    save_freq = args.save_freq if args.save_freq == "epoch" else None
-    if save_freq is None:
-        if not args.save_freq.isdigit() or int(args.save_freq) < 1:
-            _flag_error(parser, "--save-freq", args.save_freq,
-                        "must be 'epoch' or a positive number of steps.")
-        save_freq = int(args.save_freq)
-    try:
-        config = LaunchConfig(command=command, num_workers=args.workers, num_ps=args.ps,
-                              max_restarts=args.max_restarts, backup_dir=args.backup_dir,
-                              save_freq=save_freq, run_dir=args.run_dir, tasks=tasks)
-    except ValueError as e:
-        parser.error(str(e))
-    return Supervisor(config).run()
-
-
-def _resources(parser, flag, text):
-    """`worker=2,ps=1` -> {"worker": "2", "ps": "1"}."""
-    resources = {}
-    for item in (text or "").split(","):
-        if not item:
-            continue
-        task_type, sep, value = item.partition("=")
-        if not sep or task_type not in ("chief", "worker", "ps", "evaluator") or not value:
-            _flag_error(parser, flag, text, "must be TYPE=VALUE pairs separated by commas, "
-                        "e.g. worker=2,ps=1,chief=1.")
-        resources[task_type] = value
-    return resources
-
-
-def _cmd_manifests(args, parser):
-    import shlex
-
-    from kfit_ps.launch.manifests import ManifestConfig, render, to_yaml
-
-    command = list(args.chief_command)
-    if command and command[0] == "--":
-        command = command[1:]
-    try:
-        config = ManifestConfig(
-            name=args.name, image=args.image, command=command, num_workers=args.workers,
-            num_ps=args.ps, namespace=args.namespace, port=args.port, claim=args.claim,
-            evaluator_command=shlex.split(args.evaluator) if args.evaluator else None,
-            backup_dir=args.backup_dir, save_freq=args.save_freq,
-            max_restarts=args.max_restarts, cpu=_resources(parser, "--cpu", args.cpu),
-            memory=_resources(parser, "--memory", args.memory))
-    except ValueError as e:
-        parser.error(str(e))
-    sys.stdout.write(to_yaml(render(config)))
-    return 0
-
-
 def _cmd_local(args, parser):
     from kfit_ps.cluster.local import LocalCluster
 
@@ -210,7 +115,7 @@ def _load_callable(parser, flag, spec):
 
     module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
-        _flag_error(parser, flag, spec, "must be MODULE:FUNCTION or FILE.py:FUNCTION.")
+        flag_error(parser, flag, spec, "must be MODULE:FUNCTION or FILE.py:FUNCTION.")
     try:
         if module_name.endswith(".py"):
             loader_spec = importlib.util.spec_from_file_location("kfit_ps_user_entry",
@@ -223,9 +128,9 @@ def _load_callable(parser, flag, spec):
             module = importlib.import_module(module_name)
         function = getattr(module, attr)
     except (ImportError, AttributeError) as e:
-        _flag_error(parser, flag, spec, f"could not be loaded ({e}).")
+        flag_error(parser, flag, spec, f"could not be loaded ({e}).")
     if not callable(function):
-        _flag_error(parser, flag, spec, "does not name a function.")
+        flag_error(parser, flag, spec, "does not name a function.")
     return function
 
 
@@ -289,55 +194,7 @@ def build_parser():
                         help="inter-op threads of a worker (default: safe automatic value)")
     server.set_defaults(handler=_cmd_server)
 
-    run = sub.add_parser(
-        "run", help="run a script as the chief of a job that survives the loss of any task",
-        description="Starts the worker and ps servers and the script (after --) as the chief, "
-                    "with TF_CONFIG set; restarts lost tasks; returns the chief's exit status.")
-    run.add_argument("--workers", type=int, default=constants.env_int(constants.WORKERS_ENV, 2))
-    run.add_argument("--ps", type=int, default=constants.env_int(constants.PS_ENV, 1))
-    run.add_argument("--max-restarts", type=int, default=3,
-                     help="restarts allowed per task before the job fails (default 3)")
-    run.add_argument("--backup-dir", default=None,
-                     help="fit backs up here and resumes from it after a restart")
-    run.add_argument("--save-freq", default="epoch",
-                     help="backup frequency: 'epoch' or a number of steps (default epoch)")
-    run.add_argument("--run-dir", default=None,
-                     help="per-task logs and tasks.json (default: a new temporary directory)")
-    run.add_argument("--isolated", action="store_true",
-                     help="run the job in a private network namespace (loopback only); the "
-                          "script then cannot reach remote data or gs://")
-    run.add_argument("--tasks", default=None,
-                     help="multi-host form: this host's tasks of TF_CONFIG's cluster, e.g. "
-                          "ps:0,worker:1 (chief:0 runs the command)")
-    run.add_argument("chief_command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
-                     help="the chief's command, e.g. -- python train.py")
-    run.set_defaults(handler=_cmd_run)
-
-    manifests = sub.add_parser(
-        "manifests", help="print the Kubernetes manifests of a job (YAML)",
-        description="Renders Services, Deployments (workers, ps), Jobs (chief, evaluator) and "
-                    "a NetworkPolicy; apply with `kubectl apply -f -`.")
-    manifests.add_argument("--name", required=True, help="the job's name (a DNS label)")
-    manifests.add_argument("--image", required=True, help="container image")
-    manifests.add_argument("--workers", type=int, default=2)
-    manifests.add_argument("--ps", type=int, default=1)
-    manifests.add_argument("--namespace", default="default")
-    manifests.add_argument("--port", type=int, default=2222)
-    manifests.add_argument("--claim", default=None,
-                           help="PersistentVolumeClaim mounted at /shared in every pod")
-    manifests.add_argument("--backup-dir", default=None,
-                           help="the chief's --backup-dir (default /shared/backup with --claim)")
-    manifests.add_argument("--save-freq", default=100, type=lambda v: v if v == "epoch"
-                           else int(v))
-    manifests.add_argument("--max-restarts", type=int, default=3)
-    manifests.add_argument("--evaluator", default=None,
-                           help='the evaluator\'s command, e.g. "kfit-ps evaluator '
-                                '--checkpoint-dir /shared/ckpt --model-fn m:f --data-fn m:g"')
-    manifests.add_argument("--cpu", default="", help="CPU requests, e.g. worker=2,ps=1,chief=1")
-    manifests.add_argument("--memory", default="", help="memory requests, e.g. ps=8Gi")
-    manifests.add_argument("chief_command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
-                           help="the chief's command, e.g. -- python /app/train.py")
-    manifests.set_defaults(handler=_cmd_manifests)
+    launch_commands.add_parsers(sub)
 
     local = sub.add_parser("local", help="start a local cluster and print its TF_CONFIG")
     local.add_argument("--workers", type=int, default=constants.env_int(constants.WORKERS_ENV, 2))

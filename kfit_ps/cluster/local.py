@@ -37,6 +37,7 @@ import weakref
 
 from kfit_ps import _tf_compat, constants, net, validation
 from kfit_ps.cluster import server
+from kfit_ps.cluster.logs import read_tail
 from kfit_ps.cluster.spec import ClusterConfig
 
 log = logging.getLogger("kfit_ps.cluster")
@@ -241,12 +242,9 @@ class LocalCluster:
 
     def log_tail(self, task_type, index, lines=20):
         """The last `lines` lines of a server's log (all its incarnations)."""
-        try:
-            with open(self._log_path(task_type, index), "rb") as f:
-                text = f.read()[-200 * lines:].decode(errors="replace")
-        except (OSError, TypeError):
+        if self._log_dir is None:
             return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
+        return read_tail(self._log_path(task_type, index), lines)
 
     def pid(self, task_type, index):
         """The process id of a server."""

@@ -9,6 +9,7 @@ import threading
 
 from kfit_ps import constants
 from kfit_ps._tf_log_filter import is_tf_log_line
+from kfit_ps.cluster.logs import read_tail
 
 _PR_SET_PDEATHSIG = 1
 
@@ -77,12 +78,7 @@ class ChiefProcess:
         return self.process.returncode
 
     def log_tail(self, lines=20):
-        try:
-            with open(self._log.name, "rb") as f:
-                text = f.read()[-200 * lines:].decode(errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
+        return read_tail(self._log.name, lines)
 
     def close(self):
         if not self._log.closed:

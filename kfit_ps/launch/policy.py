@@ -46,13 +46,20 @@ class RestartPolicy:
         self.max_restarts, self.backoff, self.max_backoff = max_restarts, backoff, max_backoff
         self.restarts = collections.Counter()
 
-    def _restart(self, event, action, reason):
+    def _count(self, event):
+        """Counts one more failure of the event's task; a FAIL decision past the limit."""
         self.restarts[event.task] += 1
         count = self.restarts[event.task]
-        if count > self.max_restarts:
-            return Decision(Action.FAIL, exit_status=1, reason=(
-                f"{event.describe()} and has failed {count} times; giving up "
-                f"(--max-restarts {self.max_restarts}). Its last log lines:\n{event.log_tail}"))
+        if count <= self.max_restarts:
+            return count, None
+        return count, Decision(Action.FAIL, exit_status=1, reason=(
+            f"{event.describe()} and has failed {count} times; giving up "
+            f"(--max-restarts {self.max_restarts}). Its last log lines:\n{event.log_tail}"))
+
+    def _restart(self, event, action, reason):
+        count, give_up = self._count(event)
+        if give_up:
+            return give_up
         delay = min(self.backoff * 2 ** (count - 1), self.max_backoff)
         return Decision(action, delay=delay, reason=(
             f"{event.describe()}; {reason} (restart {count} of {self.max_restarts}, "
@@ -64,11 +71,8 @@ class RestartPolicy:
             return self._restart(event, Action.RESTART_TASK,
                                  "restarting it; training continues in the same chief")
         if event.kind == "ps":
-            self.restarts[event.task] += 1
-            if self.restarts[event.task] > self.max_restarts:
-                self.restarts[event.task] -= 1
-                return self._restart(event, Action.FAIL, "")
-            return Decision(Action.WAIT_FOR_CHIEF, reason=(
+            _, give_up = self._count(event)
+            return give_up or Decision(Action.WAIT_FOR_CHIEF, reason=(
                 f"{event.describe()}; the variables it held are gone: the chief stops, then "
                 "the job restarts from its last backup"))
         if event.status == 0:

@@ -116,7 +116,6 @@ class Supervisor:
         self.chief = chief_process.ChiefProcess(
             self.config.command, env, os.path.join(self.run_dir, "chief-0.log"), out=self.out)
         self._server_lost, self._ps_lost_at = False, None
-        self._write_tasks()
 
     # Supervision ----------------------------------------------------------------------------
 

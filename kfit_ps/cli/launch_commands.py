@@ -1,0 +1,163 @@
+"""`kfit-ps run` and `kfit-ps manifests`: thin layers over `kfit_ps.launch`.
+
+Also the network mode of a command (`network`): re-executed in a private
+network namespace when isolation is asked for and possible.
+"""
+
+import argparse
+import sys
+
+from kfit_ps import constants
+from kfit_ps.cli.flags import flag_error
+
+
+def network(requested, argv):
+    """Re-executes in a private network namespace when `requested` is "isolated" and that is
+    possible (never returns then); returns the mode that runs, after saying which."""
+    from kfit_ps.launch import isolation
+
+    if isolation.inside():
+        isolation.enter()
+        print("kfit-ps: network isolated: the servers run in a private network namespace with "
+              "loopback only; no other host or process can reach their ports.",
+              file=sys.stderr, flush=True)
+        return "isolated"
+    if requested == "isolated":
+        why = isolation.available()
+        if why is None:
+            isolation.reexec_isolated([sys.executable, "-m", "kfit_ps.cli.main", *argv])
+        print(f"kfit-ps: network not isolated ({why}): the servers use this machine's "
+              "network.", file=sys.stderr, flush=True)
+    return "host"
+
+
+def _parse_tasks(parser, text):
+    tasks = []
+    for item in (text or "").split(","):
+        task_type, sep, index = item.strip().partition(":")
+        if not sep or task_type not in ("chief", "worker", "ps") or not index.isdigit():
+            flag_error(parser, "--tasks", text, "must be a comma-separated list of TYPE:INDEX "
+                        "with TYPE chief, worker or ps, e.g. --tasks ps:0,worker:1.")
+        tasks.append((task_type, int(index)))
+    return tuple(tasks)
+
+
+def _save_freq(value):
+    """argparse type of `--save-freq`: 'epoch' or a positive number of steps."""
+    if value == "epoch":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be 'epoch' or a positive number of steps. Received: --save-freq {value!r}.")
+    return int(value)
+
+
+def _chief_command(args):
+    """The command after `--` (argparse keeps the `--` in a REMAINDER argument)."""
+    command = list(args.chief_command)
+    return command[1:] if command[:1] == ["--"] else command
+
+
+def cmd_run(args, parser):
+    from kfit_ps.launch import LaunchConfig, Supervisor
+
+    if args.isolated and args.tasks is not None:
+        flag_error(parser, "--isolated", "with --tasks", "isolates a job that runs on this "
+                    "machine alone; a host of a multi-host job needs its network.")
+    network("isolated" if args.isolated else "host", args.argv)
+    tasks = _parse_tasks(parser, args.tasks) if args.tasks is not None else None
+    try:
+        config = LaunchConfig(command=_chief_command(args), num_workers=args.workers,
+                              num_ps=args.ps, max_restarts=args.max_restarts,
+                              backup_dir=args.backup_dir, save_freq=args.save_freq,
+                              run_dir=args.run_dir, tasks=tasks)
+    except ValueError as e:
+        parser.error(str(e))
+    return Supervisor(config).run()
+
+
+def _resources(parser, flag, text):
+    """`worker=2,ps=1` -> {"worker": "2", "ps": "1"}."""
+    resources = {}
+    for item in (text or "").split(","):
+        if not item:
+            continue
+        task_type, sep, value = item.partition("=")
+        if not sep or task_type not in ("chief", "worker", "ps", "evaluator") or not value:
+            flag_error(parser, flag, text, "must be TYPE=VALUE pairs separated by commas, "
+                        "e.g. worker=2,ps=1,chief=1.")
+        resources[task_type] = value
+    return resources
+
+
+def cmd_manifests(args, parser):
+    import shlex
+
+    from kfit_ps.launch.manifests import ManifestConfig, render, to_yaml
+
+    try:
+        config = ManifestConfig(
+            name=args.name, image=args.image, command=_chief_command(args),
+            num_workers=args.workers,
+            num_ps=args.ps, namespace=args.namespace, port=args.port, claim=args.claim,
+            evaluator_command=shlex.split(args.evaluator) if args.evaluator else None,
+            backup_dir=args.backup_dir, save_freq=args.save_freq,
+            max_restarts=args.max_restarts, cpu=_resources(parser, "--cpu", args.cpu),
+            memory=_resources(parser, "--memory", args.memory))
+    except ValueError as e:
+        parser.error(str(e))
+    sys.stdout.write(to_yaml(render(config)))
+    return 0
+
+
+def add_parsers(sub):
+    """Adds the `run` and `manifests` subcommands to `sub` (argparse subparsers)."""
+    run = sub.add_parser(
+        "run", help="run a script as the chief of a job that survives the loss of any task",
+        description="Starts the worker and ps servers and the script (after --) as the chief, "
+                    "with TF_CONFIG set; restarts lost tasks; returns the chief's exit status.")
+    run.add_argument("--workers", type=int, default=constants.env_int(constants.WORKERS_ENV, 2))
+    run.add_argument("--ps", type=int, default=constants.env_int(constants.PS_ENV, 1))
+    run.add_argument("--max-restarts", type=int, default=3,
+                     help="restarts allowed per task before the job fails (default 3)")
+    run.add_argument("--backup-dir", default=None,
+                     help="fit backs up here and resumes from it after a restart")
+    run.add_argument("--save-freq", default="epoch", type=_save_freq,
+                     help="backup frequency: 'epoch' or a number of steps (default epoch)")
+    run.add_argument("--run-dir", default=None,
+                     help="per-task logs and tasks.json (default: a new temporary directory)")
+    run.add_argument("--isolated", action="store_true",
+                     help="run the job in a private network namespace (loopback only); the "
+                          "script then cannot reach remote data or gs://")
+    run.add_argument("--tasks", default=None,
+                     help="multi-host form: this host's tasks of TF_CONFIG's cluster, e.g. "
+                          "ps:0,worker:1 (chief:0 runs the command)")
+    run.add_argument("chief_command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                     help="the chief's command, e.g. -- python train.py")
+    run.set_defaults(handler=cmd_run)
+
+    manifests = sub.add_parser(
+        "manifests", help="print the Kubernetes manifests of a job (YAML)",
+        description="Renders Services, Deployments (workers, ps), Jobs (chief, evaluator) and "
+                    "a NetworkPolicy; apply with `kubectl apply -f -`.")
+    manifests.add_argument("--name", required=True, help="the job's name (a DNS label)")
+    manifests.add_argument("--image", required=True, help="container image")
+    manifests.add_argument("--workers", type=int, default=2)
+    manifests.add_argument("--ps", type=int, default=1)
+    manifests.add_argument("--namespace", default="default")
+    manifests.add_argument("--port", type=int, default=2222)
+    manifests.add_argument("--claim", default=None,
+                           help="PersistentVolumeClaim mounted at /shared in every pod")
+    manifests.add_argument("--backup-dir", default=None,
+                           help="the chief's --backup-dir (default /shared/backup with --claim)")
+    manifests.add_argument("--save-freq", default=100, type=_save_freq,
+                           help="the chief's backup frequency (default 100 steps)")
+    manifests.add_argument("--max-restarts", type=int, default=3)
+    manifests.add_argument("--evaluator", default=None,
+                           help='the evaluator\'s command, e.g. "kfit-ps evaluator '
+                                '--checkpoint-dir /shared/ckpt --model-fn m:f --data-fn m:g"')
+    manifests.add_argument("--cpu", default="", help="CPU requests, e.g. worker=2,ps=1,chief=1")
+    manifests.add_argument("--memory", default="", help="memory requests, e.g. ps=8Gi")
+    manifests.add_argument("chief_command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                           help="the chief's command, e.g. -- python /app/train.py")
+    manifests.set_defaults(handler=cmd_manifests)
