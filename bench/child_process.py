@@ -8,6 +8,7 @@ finds it. Used by the scripts as `from child_process import measure, report`
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -28,3 +29,21 @@ def measure(script, child, argv, timeout=3600):
             return json.loads(line[len(MARKER):])
     raise RuntimeError(f"{child} measurement failed (exit {proc.returncode}):\n"
                        f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+def run_if_child(args, run_child):
+    """In a child (`--child` given): runs the measurement and exits at once.
+
+    `os._exit`: the servers are gone, so TensorFlow's teardown would only log noise.
+    """
+    if args.child:
+        run_child(args)
+        sys.stdout.flush()
+        os._exit(0)
+
+
+def write_json(path, result):
+    """Writes `result` to `path` when the script was given `--json`."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)

@@ -23,7 +23,6 @@ Four measurements, each in fresh chief processes with their own LocalCluster
 """
 
 import argparse
-import json
 import os
 import sys
 import threading
@@ -266,9 +265,7 @@ def main(argv=None):
                "step_time_ratio": large["step_ms"] / small["step_ms"],
                "rss_limit_mb": limit,
                "examples_ratio": large["examples_per_s"] / baseline["examples_per_s"]}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    child_process.write_json(args.json, results)
     return results
 
 

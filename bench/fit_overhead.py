@@ -14,7 +14,6 @@ means kfit_ps is at least as fast).
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -116,10 +115,7 @@ def main(argv=None):
     parser.add_argument("--child", choices=CONTENDERS, default=None, help=argparse.SUPPRESS)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    if args.child:
-        run_child(args)
-        sys.stdout.flush()
-        os._exit(0)  # servers are gone: skip TensorFlow's noisy teardown
+    child_process.run_if_child(args, run_child)
 
     rates = {name: [] for name in CONTENDERS}
     iterations = {name: [] for name in CONTENDERS}
@@ -147,9 +143,7 @@ def main(argv=None):
           f"{', '.join(f'{r:.3f}' for r in ratios)}")
     exact = {n: all(i == expected for i in its) for n, its in iterations.items()}
     print(f"optimizer.iterations == {expected} after every run: {exact}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    child_process.write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import time
 
 import psutil
 
+import child_process
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 JOB = textwrap.dedent("""
@@ -143,9 +145,7 @@ def main():
               "ps_rss_mb_after_each_chief_restart": [round(x, 1) for x in ps_rss_mb],
               "save_freq": args.save_freq, "cores": os.cpu_count()}
     print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    child_process.write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ from kfit_ps.cluster.local import LocalCluster  # noqa: E402
 from kfit_ps.cluster.spec import ClusterConfig  # noqa: E402
 from kfit_ps.strategy import ParameterServerStrategy, shards  # noqa: E402
 from kfit_ps import partitioners  # noqa: E402
-from kfit_ps.training import DatasetCreator, SidecarEvaluator, export_saved_model  # noqa: E402
+from kfit_ps.training import (DatasetCreator, SidecarEvaluator, export_saved_model,  # noqa: E402
+                              shardable)
 from kfit_ps import callbacks  # noqa: E402
 from kfit_ps.errors import ClusterError, ParameterServerError, WorkersLostError  # noqa: E402
 from kfit_ps.launch import LaunchConfig, run  # noqa: E402
@@ -62,5 +63,6 @@ __all__ = [
     "job_cluster",
     "partitioners",
     "run",
+    "shardable",
     "shards",
 ]

@@ -18,6 +18,8 @@ and `LocalCluster` passes the environment on to its servers.
 | `KFIT_PS_BACKUP_FREQ` | `epoch` | its `save_freq` (`epoch` or a number of steps) |
 | `KFIT_PS_RUN_DIR` | unset | set by `kfit-ps run` in the chief: the run directory (logs, `tasks.json`) |
 | `KFIT_PS_ISOLATED` | unset | set by `kfit-ps quickstart` / `kfit-ps run --isolated` in the private network namespace they re-execute in |
+| `KFIT_PS_PACKED_READ_MAX_BYTES` | `262144` | unsharded variables up to this size are fetched whole, in one packed transfer per ps, at the start of each step (`kfit_ps.training.transfers`); 0 turns packed reads off |
+| `KFIT_PS_METRIC_RESULTS_PENDING` | `1024` | finished functions' metric results the coordinator keeps before adding the oldest to its running sum (bounds its memory in long epochs) |
 | `KFIT_PS_PROGRESS_INTERVAL` | `0.25` | seconds between progress-bar updates during `fit` (no synchronisation) |
 | `KFIT_PS_EVALUATOR_IDLE_TIMEOUT` | `1800` | seconds a side-car evaluator waits for a new checkpoint in a directory that kfit_ps training does not write |
 | `KFIT_PS_LOG_LEVEL` | `WARNING` | log level of the `kfit_ps` logger in the `kfit-ps` commands (a program that imports kfit_ps sets its own) |
@@ -47,12 +49,16 @@ EVALUATOR_IDLE_TIMEOUT_ENV = "KFIT_PS_EVALUATOR_IDLE_TIMEOUT"
 WORKERS_ENV = "KFIT_PS_WORKERS"
 PS_ENV = "KFIT_PS_PS"
 TF_LOGS_ENV = "KFIT_PS_TF_LOGS"
+PACKED_READ_MAX_BYTES_ENV = "KFIT_PS_PACKED_READ_MAX_BYTES"
+METRIC_RESULTS_PENDING_ENV = "KFIT_PS_METRIC_RESULTS_PENDING"
 
 DEFAULT_STARTUP_TIMEOUT = 120.0
 DEFAULT_PARENT_POLL = 0.5
 DEFAULT_PROGRESS_INTERVAL = 0.25
 DEFAULT_EVALUATOR_IDLE_TIMEOUT = 1800.0
 DEFAULT_WORKER_TIMEOUT = 300.0
+DEFAULT_PACKED_READ_MAX_BYTES = 256 << 10
+DEFAULT_METRIC_RESULTS_PENDING = 1024
 
 # Task types understood by kfit_ps, in TensorFlow's naming.
 CHIEF = "chief"
@@ -104,6 +110,23 @@ def parent_poll_interval():
 
 def progress_interval():
     return _float(PROGRESS_INTERVAL_ENV, DEFAULT_PROGRESS_INTERVAL)
+
+
+def _env_int_at_least(name, default, minimum):
+    value = env_int(name, default)
+    if value < minimum:
+        raise ValueError(f"Environment variable {name} must be >= {minimum}. Received: "
+                         f"{name}={value}. Unset it to use the default {default}.")
+    return value
+
+
+def packed_read_max_bytes():
+    """Bytes up to which a variable is read in the step's packed read (0: none)."""
+    return _env_int_at_least(PACKED_READ_MAX_BYTES_ENV, DEFAULT_PACKED_READ_MAX_BYTES, 0)
+
+
+def metric_results_pending():
+    return _env_int_at_least(METRIC_RESULTS_PENDING_ENV, DEFAULT_METRIC_RESULTS_PENDING, 1)
 
 
 def tf_config():

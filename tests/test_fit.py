@@ -39,8 +39,10 @@ def compiled_model(strategy, kind="sequential", steps_per_execution=1, metrics=N
     return model
 
 
-@pytest.mark.parametrize("steps_per_execution", [1, 5])
+# 5: steps unrolled in one function; 12: a loop (functions.MAX_UNROLLED_STEPS is 10).
+@pytest.mark.parametrize("steps_per_execution", [1, 5, 12])
 def test_counts_are_exact(strategy, steps_per_execution):
+    assert 5 <= kfit_ps.training.functions.MAX_UNROLLED_STEPS < 12
     model = compiled_model(strategy, steps_per_execution=steps_per_execution)
     vx, vy = helpers.regression_arrays(rows=64)
     val = kfit_ps.DatasetCreator(helpers.regression_dataset_fn())
@@ -59,6 +61,27 @@ def test_counts_are_exact(strategy, steps_per_execution):
                         verbose=0)
     assert history.history["val_batches"] == [7.0]
     assert int(model.optimizer.iterations.numpy()) == 63
+
+
+def test_metric_results_are_folded_during_the_epoch_and_stay_exact(strategy, monkeypatch):
+    monkeypatch.setenv(kfit_ps.constants.METRIC_RESULTS_PENDING_ENV, "3")
+    model = compiled_model(strategy, steps_per_execution=2,
+                           metrics=lambda: [keras.metrics.MeanAbsoluteError(name="mae")])
+    folded = []
+    stock_fold = kfit_ps.training.metric_state.Accumulator._fold_one
+
+    def counting_fold(self, remote):
+        folded.append(len(self._pending))
+        return stock_fold(self, remote)
+
+    monkeypatch.setattr(kfit_ps.training.metric_state.Accumulator, "_fold_one", counting_fold)
+    history = model.fit(kfit_ps.DatasetCreator(helpers.regression_dataset_fn()), epochs=2,
+                        steps_per_epoch=41, verbose=0)
+    assert history.history["batches"] == [41.0, 41.0]  # 21 functions per epoch, each once
+    assert int(model.optimizer.iterations.numpy()) == 82
+    # Folded while scheduling (3 pending kept), the rest after each epoch's join.
+    assert folded.count(3) == 2 * (21 - 3)
+    assert len(folded) == 2 * 21
 
 
 @pytest.mark.parametrize("kind", ["sequential", "functional", "subclassed"])

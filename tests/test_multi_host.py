@@ -70,6 +70,18 @@ def read_until(proc, text, lines, timeout=180):
     raise AssertionError(f"{text!r} not seen:\n" + "\n".join(lines[-40:]))
 
 
+def read_tasks(path, timeout=10.0):
+    """A launcher's tasks.json; it is rewritten in place, so a read may catch it empty."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def test_main_job_model_across_four_network_namespaces(hosts, tmp_path):
     from kfit_ps.data import criteo
 
@@ -95,7 +107,7 @@ def test_main_job_model_across_four_network_namespaces(hosts, tmp_path):
                       stderr=subprocess.STDOUT, text=True)
     read_until(chief, "[chief] EPOCH 0", lines)
     # Kill host w0's worker; its own launcher restarts it at 10.213.0.11:2222.
-    killed = json.loads((tmp_path / "w0" / "tasks.json").read_text())["tasks"]["worker:0"]
+    killed = read_tasks(tmp_path / "w0" / "tasks.json")["tasks"]["worker:0"]
     os.kill(killed, signal.SIGKILL)  # (the namespaces share one pid space)
     read_until(launchers["w0"], "worker:0 ended with signal SIGKILL", lines)
     read_until(launchers["w0"], "worker:0 is back", lines)
@@ -105,7 +117,7 @@ def test_main_job_model_across_four_network_namespaces(hosts, tmp_path):
     assert 240 <= result["iterations"] <= 245  # 4 x 60 steps; at-least-once for the killed one
     assert result["batches"] == [60.0] * 4  # exactly-once metrics across the kill
     assert all(d.startswith("/job:ps/replica:0/task:0") for d in result["devices"])
-    restarted = json.loads((tmp_path / "w0" / "tasks.json").read_text())
+    restarted = read_tasks(tmp_path / "w0" / "tasks.json")
     assert restarted["restarts"] == {"worker:0": 1} and restarted["tasks"]["worker:0"] != killed
     for proc in launchers.values():
         proc.send_signal(signal.SIGTERM)

@@ -41,7 +41,7 @@ def test_all_is_the_public_api():
         "ClusterConfig", "ClusterError", "DatasetCreator", "LaunchConfig", "LocalCluster",
         "ParameterServerError", "ParameterServerStrategy", "SidecarEvaluator",
         "WorkersLostError", "__version__", "callbacks", "errors", "export_saved_model",
-        "job_cluster", "partitioners", "run", "shards"])
+        "job_cluster", "partitioners", "run", "shardable", "shards"])
     assert issubclass(kfit_ps.WorkersLostError, kfit_ps.ClusterError)
     assert issubclass(kfit_ps.ParameterServerError, kfit_ps.ClusterError)
     assert sorted(kfit_ps.callbacks.__all__) == [

@@ -1,6 +1,7 @@
 """The private-API gate: every private TF/Keras use, checked against the installed versions."""
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 from keras.src.backend.tensorflow import core as keras_tf_core
@@ -187,3 +188,92 @@ def test_print_msg_honours_keras_interactive_logging(capsys):
         keras.config.enable_interactive_logging()
     out = capsys.readouterr().out
     assert "shown" in out and "hidden" not in out
+
+
+def test_cached_read_scope_reads_the_cache_and_writes_through():
+    cached, other = keras.Variable(1.0), keras.Variable(5.0)
+    with _tf_compat.CachedReadScope([(cached, tf.constant(10.0))]):
+        assert float(cached.value) == 10.0
+        assert float(other.value) == 5.0  # not cached: its real storage
+        cached.assign(3.0)  # written through, and later reads in the scope see it
+        assert float(cached.value) == 3.0
+    assert float(cached.value) == 3.0
+    metric, param = keras.Variable(0.0), keras.Variable(2.0)
+    with _tf_compat.LocalStateScope([(metric, tf.constant(0.0))]) as outer:
+        with _tf_compat.CachedReadScope([(param, tf.constant(7.0))]) as inner:
+            assert inner.is_local(metric) and not inner.is_local(param)
+            metric.assign(float(param.value))  # local to the outer scope
+        assert float(outer.get_current_value(metric)) == 7.0
+    assert float(metric.value) == 0.0 and float(param.value) == 2.0
+    with keras.StatelessScope():
+        with pytest.raises(RuntimeError, match="cannot nest in a Keras StatelessScope"):
+            with _tf_compat.CachedReadScope([]):
+                pass
+
+
+@pytest.mark.parametrize("optimizer", [
+    lambda: keras.optimizers.Adam(0.01),
+    lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+])
+def test_fused_adam_matches_keras_adam(optimizer):
+    keras.utils.set_random_seed(1)
+    kernel = keras.random.normal((5, 3))
+    bias = keras.random.normal((3,))
+    grads = [[keras.random.normal((5, 3)), keras.random.normal((3,))] for _ in range(4)]
+    results = []
+    for fused in (False, True):
+        variables = [keras.Variable(kernel, name="kernel"), keras.Variable(bias, name="bias")]
+        opt = optimizer()
+        opt.build(variables)
+        assert _tf_compat.can_fuse_adam(opt, variables)
+        for step_grads in grads:
+            if fused:
+                scalars = (tf.convert_to_tensor(opt.learning_rate),
+                           tf.cast(opt.iterations, tf.float32) + 1.0)
+                _tf_compat.apply_adam(opt, step_grads, variables, lambda device: scalars)
+            else:
+                opt.apply(step_grads, variables)
+        results.append(([v.numpy() for v in variables], int(opt.iterations.numpy())))
+    (stock, stock_steps), (fused, fused_steps) = results
+    assert stock_steps == fused_steps == 4
+    for a, b in zip(stock, fused):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_fused_adam_declines_what_it_does_not_compute():
+    variables = [keras.Variable(tf.ones((2,)))]
+    for opt in (keras.optimizers.Adam(amsgrad=True), keras.optimizers.Adam(clipnorm=1.0),
+                keras.optimizers.Adam(gradient_accumulation_steps=2), keras.optimizers.SGD(),
+                keras.optimizers.Nadam()):
+        assert not _tf_compat.can_fuse_adam(opt, variables), opt
+    overwritten = keras.Variable(tf.ones((2,)))
+    overwritten.overwrite_with_gradient = True
+    assert not _tf_compat.can_fuse_adam(keras.optimizers.Adam(), [overwritten])
+
+
+def test_shard_dataset_puts_every_element_in_exactly_one_shard(tmp_path):
+    files = []
+    for i in range(3):
+        files.append(str(tmp_path / f"part-{i}.txt"))
+        with open(files[-1], "w") as f:
+            f.write("".join(f"{i * 100 + j}\n" for j in range(20)))
+    from_files = tf.data.TextLineDataset(tf.data.Dataset.from_tensor_slices(files)).map(
+        lambda line: tf.strings.to_number(line, tf.int64)).batch(4)
+    in_memory = tf.data.Dataset.range(103).batch(4)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    policy = tf.data.experimental.AutoShardPolicy
+    cases = [(in_memory, 5, policy.DATA), (in_memory.with_options(options), 5, policy.DATA),
+             (from_files, 3, policy.FILE), (from_files.with_options(options), 2, policy.FILE),
+             (from_files, 5, policy.DATA)]  # fewer files than shards: by element
+    for source, shards, expected in cases:
+        assert _tf_compat.shard_policy(source, shards) == expected, (shards, expected)
+        source = _tf_compat.with_shard_policy(source, expected)
+        seen = []
+        for index in range(shards):
+            shard = _tf_compat.shard_dataset(source, shards, tf.constant(index, tf.int64),
+                                             expected)
+            seen += [int(v) for batch in shard for v in batch.numpy()]
+        everything = [int(v) for batch in _tf_compat.with_shard_policy(source, expected)
+                      for v in batch.numpy()]
+        assert sorted(seen) == sorted(everything) and len(everything) in (103, 60)

@@ -21,6 +21,9 @@ from kfit_ps._tf_compat.keras_variables import (
     storage,
 )
 from kfit_ps._tf_compat.metric_scope import LocalStateScope
+from kfit_ps._tf_compat.read_cache import CachedReadScope
+from kfit_ps._tf_compat.datasets import shard_dataset, shard_policy, with_shard_policy
+from kfit_ps._tf_compat.fused_adam import apply_adam, can_fuse as can_fuse_adam
 from kfit_ps._tf_compat.keras_sharding import (
     install_sharding_support,
     shards,
@@ -43,8 +46,14 @@ from kfit_ps._tf_compat.keras_trainer import (
 )
 
 __all__ = [
+    "CachedReadScope",
     "LocalStateScope",
     "SUPPORTED",
+    "shard_dataset",
+    "shard_policy",
+    "with_shard_policy",
+    "apply_adam",
+    "can_fuse_adam",
     "build_for_predict",
     "check_versions",
     "improvement_test",

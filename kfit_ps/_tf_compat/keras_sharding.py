@@ -34,6 +34,13 @@ under a kfit_ps scope only:
    and its weight decay skip `extended.update` (which needs a single device)
    for sharded variables; the decay runs shard by shard, on each shard's ps.
 
+6. **Gradients already on the ps.** Keras' TensorFlow optimizer "all-reduces"
+   each gradient in the replica context before updating; with one replica
+   per worker (kfit_ps refuses more) that is an identity, but its identity
+   ops run on the worker, which would pull a gradient that
+   `kfit_ps.training.transfers` already moved to its ps back to the worker.
+   For kfit_ps variables the gradients are passed on unchanged.
+
 Gradients with respect to a sharded variable are taken with respect to its
 shards (`shards(variable)`); see `kfit_ps.training.sharded_updates`.
 """
@@ -49,7 +56,7 @@ from keras.src.backend.tensorflow import optimizer as _tf_optimizer
 from keras.src.optimizers import base_optimizer as _base_optimizer
 from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
-from kfit_ps._tf_compat.keras_variables import mark_kfit_variable, storage
+from kfit_ps._tf_compat.keras_variables import is_kfit_variable, mark_kfit_variable, storage
 from kfit_ps._tf_compat.sharded_init import shard_value
 from kfit_ps._tf_compat.versions import check_versions
 
@@ -242,6 +249,17 @@ def _apply_weight_decay(stock):
     return apply_weight_decay
 
 
+def _all_reduce_sum_gradients(stock):
+    def all_reduce(self, grads_and_vars):
+        grads_and_vars = list(grads_and_vars)
+        if grads_and_vars and all(is_kfit_variable(v) for _, v in grads_and_vars):
+            return grads_and_vars  # One replica per worker: the sum is the gradient.
+        return stock(self, grads_and_vars)
+
+    all_reduce._kfit_ps_stock = stock
+    return all_reduce
+
+
 def install_sharding_support():
     """Installs the changes above once per process (idempotent, thread-safe)."""
     global _installed
@@ -257,6 +275,7 @@ def install_sharding_support():
             (_tf_core.Variable, "__array__", _array),
             (_tf_optimizer.TFOptimizer, "_distributed_tf_update_step", _distributed_update_step),
             (_tf_optimizer.TFOptimizer, "_apply_weight_decay", _apply_weight_decay),
+            (_tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients", _all_reduce_sum_gradients),
             (_tf_core.Variable, "_serialize_to_tensors", _serialize_to_tensors),
             (_tf_core.Variable, "_restore_from_tensors", _restore_from_tensors),
         ]

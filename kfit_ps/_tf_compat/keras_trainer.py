@@ -8,6 +8,7 @@ Keras' own method unchanged. The remaining functions read the few private
 trainer attributes the loop needs.
 """
 
+import contextlib
 import functools
 import threading
 
@@ -19,6 +20,7 @@ from keras.src.losses import loss as loss_module
 from keras.src.trainers import data_adapters
 from keras.src.utils import io_utils
 
+from kfit_ps._tf_compat.read_cache import CachedReadScope
 from kfit_ps._tf_compat.versions import check_versions
 
 _METHODS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
@@ -128,25 +130,29 @@ def has_stock_train_step(model):
     return type(model).train_step is _tf_trainer.TensorFlowTrainer.train_step
 
 
-def train_step_with(model, data, apply_gradients):
+def train_step_with(model, data, apply_gradients, cached=()):
     """Keras 3.15's TensorFlow `train_step`, with the gradient step supplied.
 
     `apply_gradients(tape, loss)` computes and applies the gradients; the rest
     (forward pass, loss, loss tracker, loss scaling, metrics) is Keras' own,
     line for line, so a model with sharded variables trains exactly like one
-    without.
+    without. `cached`: (variable, tensor) pairs the forward pass and loss read
+    instead of the variables (`CachedReadScope`); the tape watches the
+    trainable ones, so gradients are taken with respect to those tensors.
     """
     x, y, sample_weight = data_adapters.data_adapter_utils.unpack_x_y_sample_weight(data)
     with tf.GradientTape() as tape:
-        if model._call_has_training_arg:
-            y_pred = model(x, training=True)
-        else:
-            y_pred = model(x)
-        loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                                   training=True)
-        model._loss_tracker.update_state(
-            loss_module.unscale_loss_for_distribution(loss),
-            sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0])
+        tape.watch([value for variable, value in cached if variable.trainable])
+        with CachedReadScope(cached) if cached else contextlib.nullcontext():
+            if model._call_has_training_arg:
+                y_pred = model(x, training=True)
+            else:
+                y_pred = model(x)
+            loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                       training=True)
+            model._loss_tracker.update_state(
+                loss_module.unscale_loss_for_distribution(loss),
+                sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0])
         if model.optimizer is not None:
             loss = model.optimizer.scale_loss(loss)
     if model.trainable_weights:

@@ -94,12 +94,12 @@ def _cmd_local(args, parser):
 
     _require_positive(parser, ("--workers", args.workers), ("--ps", args.ps))
     cluster = LocalCluster(num_workers=args.workers, num_ps=args.ps)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # Before anyone can read the line.
     with cluster:
         print(json.dumps({"TF_CONFIG": cluster.config.to_tf_config()}), flush=True)
         print("kfit-ps local: servers running; press Ctrl-C to stop them.", file=sys.stderr,
               flush=True)
-        stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
         try:
             while not stop.wait(1.0):
                 pass

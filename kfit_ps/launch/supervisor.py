@@ -211,9 +211,10 @@ class Supervisor:
                 tasks[f"{task_type}:{index}"] = self.cluster.pid(task_type, index)
         if self.chief is not None:
             tasks[CHIEF] = self.chief.pid
+        text = json.dumps({"supervisor": os.getpid(), "tasks": tasks,
+                           "restarts": dict(self.policy.restarts)})
         with open(os.path.join(self.run_dir, "tasks.json"), "w") as f:
-            json.dump({"supervisor": os.getpid(), "tasks": tasks,
-                       "restarts": dict(self.policy.restarts)}, f)
+            f.write(text)  # One write: a reader may still see it empty for a moment; retry.
 
     def _shutdown(self):
         if self.chief is not None:

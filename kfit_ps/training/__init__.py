@@ -4,6 +4,7 @@ from kfit_ps import _tf_compat
 from kfit_ps.training import cluster_health, loop, on_batch
 from kfit_ps.training.dataset_creator import DatasetCreator
 from kfit_ps.training.export import export_saved_model
+from kfit_ps.training.inputs import shardable
 from kfit_ps.training.sidecar_evaluator import Evaluation, SidecarEvaluator
 
 

@@ -10,13 +10,20 @@ Two kinds of input exist under parameter servers:
   batch, as the argument of each scheduled function. Every batch is used
   exactly once and predictions come back in order. Used for numpy arrays and
   finite `tf.data.Dataset`s in `evaluate`, `predict` and validation.
+- Sharded evaluation (a `WorkerInput` with `sharded=True`): a finite dataset
+  each worker builds itself, split into shards (`_tf_compat.shard_dataset`);
+  each scheduled function evaluates one whole shard and returns its metric
+  state, so a shard re-run after a worker died counts once. Used by
+  `evaluate` and validation for a `DatasetCreator` given without `steps`,
+  and for a dataset wrapped in `kfit_ps.shardable(...)`.
 
 How each supported input is split across workers:
 
 | input | training | evaluate / predict / validation |
 | --- | --- | --- |
-| `DatasetCreator(fn)` | `fn` runs on each worker | `fn` runs on each worker; `steps` required |
+| `DatasetCreator(fn)` | `fn` runs on each worker | without `steps`: `fn` runs on each worker, its finite dataset evaluated in shards, exactly once (predict: `steps` required); with `steps`: that many batches of the workers' datasets |
 | `tf.data.Dataset` (batched) | a copy on each worker, repeated | finite: shipped in order; infinite: per worker, `steps` required |
+| `kfit_ps.shardable(dataset)` | as the dataset | a copy on each worker, evaluated in shards, exactly once |
 | numpy arrays / tensors `(x, y[, sample_weight])` | a copy on each worker, shuffled independently, repeated, batched | shipped in order |
 """
 
@@ -45,6 +52,43 @@ class WorkerInput:
     dataset: object = None
     options: object = None
     num_batches: int = None  # Batches in one pass, when known.
+    finite: bool = False  # The dataset ends (evaluation can then be split in shards).
+    sharded: bool = False  # Only sharded evaluation applies (`shardable(dataset)`).
+    num_shards: int = None  # None: `default_num_shards`.
+
+
+class Shardable:
+    """A finite evaluation input that workers read themselves, in shards (`shardable`)."""
+
+    def __init__(self, data, num_shards=None):
+        if not (isinstance(data, tf.data.Dataset) or is_dataset_creator(data)):
+            raise ValueError(
+                "`kfit_ps.shardable(data)` takes a finite tf.data.Dataset of batches or a "
+                f"kfit_ps.DatasetCreator. Received: data of type {type(data).__name__}. Pass "
+                "the evaluation dataset itself.")
+        self.data = data
+        self.num_shards = validation.check_optional_int("num_shards", num_shards, 1)
+
+
+def shardable(data, num_shards=None):
+    """Marks evaluation data that workers read themselves, split into shards.
+
+    `model.evaluate(kfit_ps.shardable(dataset))` (or as `validation_data`)
+    sends each worker a copy of the dataset's pipeline instead of shipping
+    every batch from the coordinator. The data is split into `num_shards`
+    shards (default: 5 per worker); each scheduled function evaluates one
+    whole shard, so every batch counts exactly once, also when a worker dies
+    and its shard runs again elsewhere. A pipeline that reads at least
+    `num_shards` files is split by file; otherwise each shard reads the whole
+    pipeline and keeps its part. A `DatasetCreator` given to `evaluate`
+    without `steps` is evaluated this way without the wrapper.
+    """
+    return Shardable(data, num_shards)
+
+
+def default_num_shards(num_workers):
+    """Shards of a sharded evaluation when not given: 5 per worker (as tf_keras' "auto")."""
+    return 5 * max(1, num_workers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +118,18 @@ def is_array_like(leaf):
     return isinstance(leaf, (np.ndarray, tf.Tensor, np.generic)) or hasattr(leaf, "__array__")
 
 
+def _tuples(structure):
+    """Lists of arrays become tuples: tf.data would stack a list into one tensor."""
+    if isinstance(structure, (list, tuple)):
+        return tuple(_tuples(item) for item in structure)
+    if isinstance(structure, dict):
+        return {key: _tuples(value) for key, value in structure.items()}
+    return structure
+
+
 def _to_arrays(structure):
     return tf.nest.map_structure(
-        lambda a: a if isinstance(a, tf.Tensor) else np.asarray(a), structure)
+        lambda a: a if isinstance(a, tf.Tensor) else np.asarray(a), _tuples(structure))
 
 
 def _num_rows(structure, arg):
@@ -123,18 +176,37 @@ def adapt(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True, train
     batch_size = validation.check_optional_int("batch_size", batch_size, 1)
     if x is None:
         raise ValueError(f"`{arg}` is required. Supported inputs: {SUPPORTED_INPUTS}.")
+    num_shards, sharded = None, False
+    if isinstance(x, Shardable):
+        if not training:
+            sharded = True
+            _check_no_extra(arg, "kfit_ps.shardable(...)", y=y, sample_weight=sample_weight,
+                            batch_size=batch_size)
+            num_shards = x.num_shards
+        x = x.data
 
     if is_dataset_creator(x):
         _check_no_extra(arg, "DatasetCreator", y=y, sample_weight=sample_weight,
                         batch_size=batch_size)
         creator = as_dataset_creator(x)
-        spec = creator(tf.distribute.InputContext()).element_spec
-        return WorkerInput(element_spec=spec, dataset_fn=creator, options=creator.input_options)
+        sample = creator(tf.distribute.InputContext())
+        return WorkerInput(element_spec=sample.element_spec, dataset_fn=creator,
+                           options=creator.input_options, num_shards=num_shards,
+                           finite=int(sample.cardinality()) != tf.data.INFINITE_CARDINALITY)
 
     if isinstance(x, tf.data.Dataset):
         _check_no_extra(arg, "tf.data.Dataset", y=y, sample_weight=sample_weight,
                         batch_size=batch_size)
         cardinality = int(x.cardinality())
+        if sharded:
+            if cardinality == tf.data.INFINITE_CARDINALITY:
+                raise ValueError(
+                    f"`{arg}`: kfit_ps.shardable(...) needs a finite dataset (each shard is "
+                    "evaluated to its end). Received an infinite dataset (it repeats). Remove "
+                    "`.repeat()`, or pass the dataset unwrapped with `steps`.")
+            return WorkerInput(element_spec=x.element_spec, dataset=x, finite=True,
+                               sharded=True, num_shards=num_shards,
+                               num_batches=cardinality if cardinality >= 0 else None)
         if training or cardinality == tf.data.INFINITE_CARDINALITY:
             dataset = x if cardinality == tf.data.INFINITE_CARDINALITY else x.repeat()
             return WorkerInput(element_spec=x.element_spec, dataset=dataset,
@@ -148,7 +220,7 @@ def adapt(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True, train
         bad = next((leaf for leaf in leaves if not is_array_like(leaf)), x)
         raise _unsupported(arg, bad if leaves else x)
     arrays = _to_arrays(structure)
-    if len(arrays) == 1:
+    if len(arrays) == 1 and not isinstance(arrays[0], tuple):  # (x,) keeps a tuple x whole
         arrays = arrays[0]
     rows = _num_rows(arrays, arg)
     batch_size = batch_size or DEFAULT_BATCH_SIZE

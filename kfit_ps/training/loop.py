@@ -38,6 +38,8 @@ from kfit_ps import _tf_compat, validation
 from kfit_ps.strategy import is_kfit_strategy
 from kfit_ps.training import (cluster_health, functions, inputs, metric_state,
                               sharded_updates)
+from kfit_ps.training.evaluation import Evaluation
+from kfit_ps.training.scheduling import metric_logs, per_worker_iterator, schedule_steps
 from kfit_ps.training.callbacks.backup_and_restore import with_launcher_backup
 from kfit_ps.training.callbacks.base import SyncPoints
 from kfit_ps.training.callback_policy import check_callbacks
@@ -130,100 +132,6 @@ def _check_placement(model, method):
                 )
 
 
-def _per_worker_iterator(strategy, worker_input):
-    coordinator = strategy.coordinator
-    if worker_input.dataset is not None:
-        distributed = strategy.experimental_distribute_dataset(worker_input.dataset)
-        return iter(coordinator.create_per_worker_dataset(distributed))
-
-    def per_worker_dataset_fn():
-        return strategy.distribute_datasets_from_function(
-            worker_input.dataset_fn, worker_input.options)
-
-    return iter(coordinator.create_per_worker_dataset(per_worker_dataset_fn))
-
-
-def _pythonify(logs):
-    result = {}
-    for key, value in sorted(logs.items()):
-        if isinstance(value, dict):
-            result.update(_pythonify(value))
-            continue
-        array = np.asarray(value)
-        result[key] = float(array) if array.ndim == 0 else array
-    return result
-
-
-def metric_logs(model):
-    return _pythonify(model.get_metrics_result())
-
-
-def _schedule_steps(coordinator, start, stop, k, function_for, args, on_begin, on_end,
-                    accumulator):
-    """Schedules steps `start..stop-1` in functions of at most `k` steps.
-
-    Batch hooks: begin(first step), end(last step) per function, except the
-    final end, which the caller makes after synchronising. Each function's
-    returned metric state goes to `accumulator`.
-    """
-    step = start
-    while step < stop:
-        n = min(k, stop - step)
-        on_begin(step)
-        accumulator.add(coordinator.schedule(function_for(n), args=args))
-        step += n
-        if step < stop:
-            on_end(step - 1, {})
-
-
-# Evaluation (shared by evaluate and fit's validation) ----------------------------------------
-
-
-class _Evaluation:
-    """Evaluation input of one `evaluate` call or one `fit` call's validation."""
-
-    def __init__(self, model, strategy, eval_input, steps, arg):
-        self.model, self.strategy, self.input = model, strategy, eval_input
-        self.steps = inputs.check_steps(
-            arg, steps, required_because=(
-                "for a DatasetCreator or an infinite dataset" if isinstance(
-                    eval_input, inputs.WorkerInput) else None))
-        self._iterator = None
-
-    @property
-    def num_steps(self):
-        return self.steps or self.input.num_batches
-
-    def run(self, callbacks):
-        model, strategy = self.model, self.strategy
-        coordinator = strategy.coordinator
-        fns = functions.for_model(model, strategy, "test_function")
-        accumulator = metric_state.Accumulator(fns.metric_state)
-        model.reset_metrics()
-        callbacks.on_test_begin()
-        last = -1
-        if isinstance(self.input, inputs.WorkerInput):
-            if self._iterator is None:
-                self._iterator = _per_worker_iterator(strategy, self.input)
-            _schedule_steps(coordinator, 0, self.steps, model.steps_per_execution, fns.test,
-                            (self._iterator,), callbacks.on_test_batch_begin,
-                            callbacks.on_test_batch_end, accumulator)
-            last = self.steps - 1
-        else:
-            step_fn = fns.test_batch()
-            for step, batch in enumerate(itertools.islice(self.input.dataset, self.steps)):
-                callbacks.on_test_batch_begin(step)
-                accumulator.add(coordinator.schedule(step_fn, args=(batch,)))
-                callbacks.on_test_batch_end(step, {})
-        cluster_health.join(strategy)
-        accumulator.commit()
-        logs = metric_logs(model)
-        if last >= 0:  # Per-worker input: the last batch end comes after the join.
-            callbacks.on_test_batch_end(last, dict(logs))
-        callbacks.on_test_end(logs)
-        return logs
-
-
 # fit -----------------------------------------------------------------------------------------
 
 
@@ -267,7 +175,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
         vx, vy, vw = _unpack_validation(validation_data)
         val_input = inputs.adapt(vx, vy, vw, batch_size=validation_batch_size or batch_size,
                                  shuffle=False, training=False, arg="validation_data")
-        evaluation = _Evaluation(model, strategy, val_input, validation_steps,
+        evaluation = Evaluation(model, strategy, val_input, validation_steps,
                                  "validation_steps")
     check_callbacks(callbacks)
     callbacks = with_launcher_backup(callbacks)
@@ -275,7 +183,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
 
     coordinator = strategy.coordinator
     fns = functions.for_model(model, strategy, "train_function")
-    iterator = _per_worker_iterator(strategy, train_input)
+    iterator = per_worker_iterator(strategy, train_input)
     callbacks = CallbackList(callbacks, add_history=True, add_progbar=False, model=model,
                              verbose=verbose, epochs=epochs, steps=steps_per_epoch)
     sync = SyncPoints(callbacks.callbacks, steps_per_epoch)
@@ -303,7 +211,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
         with progress.joining():
             step = first
             for stop in sync.stops(epoch, first):
-                _schedule_steps(coordinator, step, stop, model.steps_per_execution, fns.train,
+                schedule_steps(coordinator, step, stop, model.steps_per_execution, fns.train,
                                 (iterator,), callbacks.on_train_batch_begin,
                                 callbacks.on_train_batch_end, accumulator)
                 cluster_health.join(strategy)
@@ -337,7 +245,7 @@ def evaluate(model, x=None, y=None, batch_size=None, verbose="auto", sample_weig
     verbose = resolve_verbose(verbose)
     eval_input = inputs.adapt(x, y, sample_weight, batch_size=batch_size, shuffle=False,
                               training=False)
-    evaluation = _Evaluation(model, strategy, eval_input, steps, "steps")
+    evaluation = Evaluation(model, strategy, eval_input, steps, "steps")
     check_callbacks(callbacks)
     prepare(model, strategy, eval_input.element_spec, "evaluate")
     callbacks = CallbackList(callbacks, add_progbar=False, model=model, verbose=verbose,
@@ -362,6 +270,11 @@ def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=Non
     strategy = strategy_for(model)
     verbose = resolve_verbose(verbose)
     pred_input = inputs.adapt(x, batch_size=batch_size, shuffle=False, training=False)
+    if getattr(pred_input, "sharded", False):
+        raise ValueError(
+            "`predict` does not take kfit_ps.shardable(...): predictions come back in the "
+            "data's order, so a finite dataset is read on the coordinator and shipped. "
+            "Received: x=kfit_ps.shardable(...). Pass the dataset itself.")
     steps = inputs.check_steps("steps", steps, required_because=(
         "for a DatasetCreator or an infinite dataset" if isinstance(
             pred_input, inputs.WorkerInput) else None))
@@ -377,7 +290,7 @@ def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=Non
     progress.epoch_begin(0)
     results = []
     if isinstance(pred_input, inputs.WorkerInput):
-        iterator = _per_worker_iterator(strategy, pred_input)
+        iterator = per_worker_iterator(strategy, pred_input)
         for step in range(steps):
             callbacks.on_predict_batch_begin(step)
             results.append(coordinator.schedule(fns.predict_next(), args=(iterator,)))

@@ -22,10 +22,12 @@ Returned state is packed into one flat tensor per dtype, so fetching a
 function's result is one small transfer.
 """
 
+import collections
+
 import numpy as np
 import tensorflow as tf
 
-from kfit_ps import _tf_compat
+from kfit_ps import _tf_compat, constants
 
 
 class MetricState:
@@ -83,27 +85,41 @@ def _widened(array):
 
 
 class Accumulator:
-    """Adds the metric state of finished functions, each exactly once."""
+    """Adds the metric state of finished functions, each exactly once.
 
-    def __init__(self, metric_state):
+    Results are folded into a running sum while the epoch goes on, oldest
+    first, whenever more than `max_pending` are waiting: the coordinator
+    keeps a bounded number of results however long the epoch (an epoch of
+    20,000 steps would otherwise hold 20,000 results until its `join()`).
+    Functions finish roughly in scheduling order and TensorFlow bounds how
+    many are in flight, so the oldest result is almost always ready by then;
+    if not, fetching it waits for that one function.
+    """
+
+    def __init__(self, metric_state, max_pending=None):
         self._state = metric_state
-        self._pending = []
+        self._pending = collections.deque()
         self._sum = None
+        self._max_pending = max_pending or constants.metric_results_pending()
 
     def add(self, remote_value):
         """Registers a scheduled function's result (a RemoteValue of `pack` output)."""
         if self._state.variables:
             self._pending.append(remote_value)
+            while len(self._pending) > self._max_pending:
+                self._fold_one(self._pending.popleft())
+
+    def _fold_one(self, remote):
+        packed = [_widened(np.asarray(part)) for part in remote.fetch()]
+        if self._sum is None:
+            self._sum = packed
+        else:
+            self._sum = [a + b for a, b in zip(self._sum, packed)]
 
     def fold(self):
         """Fetches every registered result; call after `join()`."""
-        for remote in self._pending:
-            packed = [_widened(np.asarray(part)) for part in remote.fetch()]
-            if self._sum is None:
-                self._sum = packed
-            else:
-                self._sum = [a + b for a, b in zip(self._sum, packed)]
-        self._pending = []
+        while self._pending:
+            self._fold_one(self._pending.popleft())
 
     def commit(self):
         """Folds, then writes the accumulated state to the metric variables."""

@@ -12,7 +12,8 @@ import tensorflow as tf
 
 from kfit_ps import _tf_compat
 from kfit_ps.training import cluster_health, functions, inputs, metric_state
-from kfit_ps.training.loop import metric_logs, prepare, strategy_for
+from kfit_ps.training.loop import prepare, strategy_for
+from kfit_ps.training.scheduling import metric_logs
 
 
 def _one_batch(method, x, y=None, sample_weight=None):

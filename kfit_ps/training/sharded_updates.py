@@ -1,4 +1,14 @@
-"""Gradient steps for models with sharded variables: only touched rows move.
+"""The gradient step of kfit_ps' training functions: packed, and sparse for sharded tables.
+
+Every model with Keras' own `train_step` trains with `GradientStep` inside
+that step (`_tf_compat.train_step_with`):
+
+- gradients bound for a ps travel in one packed transfer per ps
+  (`transfers.Outbox`), and the forward pass read the model's small
+  variables in one packed transfer per ps (`transfers.PackedReads`);
+- a plain `Adam` updates each dense variable with one fused kernel on its ps
+  (`_tf_compat.apply_adam`); other optimizers use Keras' own `apply`;
+- sharded variables: only touched rows move (below).
 
 A sharded variable's gradient is taken with respect to its shards: for an
 embedding lookup, each shard's gradient is an `IndexedSlices` of the rows the
@@ -21,8 +31,8 @@ Other Keras optimizers get the sharded variable's whole gradient in Keras'
 own `optimizer.apply`, with the dense variables, so their per-step state
 (Nadam's momentum schedule, ScheduleFree's averages, ...) advances as Keras
 does it; every row and slot is then read and written each step: correct,
-not sparse. Dense (unsharded) variables always take Keras' own
-`optimizer.apply`, which also increments `iterations` once per step.
+not sparse. Dense (unsharded) variables always take Keras' update formula,
+and `iterations` is incremented once per step.
 
 Options that need every gradient at once (`clipnorm`, `clipvalue`,
 `global_clipnorm`) and `gradient_accumulation_steps` are refused at the start
@@ -34,6 +44,7 @@ import keras
 import tensorflow as tf
 
 from kfit_ps import _tf_compat
+from kfit_ps.training import transfers
 
 _REFUSED = ("clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps")
 
@@ -68,53 +79,80 @@ def _scatter(variable, ids, values, op):
     getattr(variable, op)(tf.IndexedSlices(values, ids))
 
 
-class ShardedGradientStep:
-    """`apply_gradients(tape, loss)` for `_tf_compat.train_step_with`."""
+class GradientStep:
+    """`apply_gradients(tape, loss)` for `_tf_compat.train_step_with`.
 
-    def __init__(self, model):
+    `cached`: the (variable, tensor) pairs the forward pass read instead of
+    the variables (`transfers.PackedReads`); their gradients are taken with
+    respect to those tensors. Every gradient bound for a ps travels in one
+    packed transfer per ps (`transfers.Outbox`); updates then run there.
+    """
+
+    def __init__(self, model, cached=()):
         self.model = model
         self.optimizer = model.optimizer
+        self._cached = {id(variable): value for variable, value in cached}
+
+    def _sources(self, variable):
+        if _tf_compat.sharded_storage(variable) is not None:
+            return _tf_compat.shards(variable)
+        return [self._cached.get(id(variable), variable)]
 
     def __call__(self, tape, loss):
         variables = self.model.trainable_variables
-        groups = [_tf_compat.shards(v) for v in variables]
+        groups = [self._sources(v) for v in variables]
         flat = tape.gradient(loss, [s for group in groups for s in group])
-        dense_vars, dense_grads, sharded, position = [], [], [], 0
+        outbox = transfers.Outbox()
+        dense, sharded, position = [], [], 0
         for variable, group in zip(variables, groups):
             grads = flat[position:position + len(group)]
             position += len(group)
             if _tf_compat.sharded_storage(variable) is None:
-                dense_vars.append(variable)
-                dense_grads.append(grads[0])
+                if grads[0] is not None:
+                    device = _tf_compat.storage(variable).device
+                    dense.append((variable, outbox.put(device, grads[0], variable.shape)))
                 continue
             slots = _tf_compat.optimizer_slots(self.optimizer, variable)
             if slots is None:
                 # No sparse path for this optimizer: Keras' own apply, dense, in step order.
-                dense_vars.append(variable)
-                dense_grads.append(tf.concat(
+                dense.append((variable, ("here", tf.concat(
                     [tf.convert_to_tensor(g) if g is not None else tf.zeros(s.shape, s.dtype)
-                     for g, s in zip(grads, group)], axis=0))
+                     for g, s in zip(grads, group)], axis=0))))
             elif any(g is not None for g in grads):
-                sharded.append((slots, group, grads))
+                rows = []
+                for j, (shard, grad) in enumerate(zip(group, grads)):
+                    if grad is not None:  # Duplicates summed on the worker: U rows leave it.
+                        ids, g = _unique_rows(grad, shard.shape[0])
+                        rows.append((j, shard, outbox.put(shard.device, ids),
+                                     outbox.put(shard.device, g)))
+                sharded.append((slots, rows))
         optimizer = self.optimizer
-        learning_rate = tf.convert_to_tensor(optimizer.learning_rate)  # at this step
-        step = tf.cast(optimizer.iterations, tf.float32) + 1.0
-        for slots, group, grads in sharded:
-            self._apply_sharded(slots, group, grads, learning_rate, step)
-        if dense_vars:
+        # This step's learning rate and step number, read once and packed with the gradients.
+        scalars = (tf.cast(optimizer.learning_rate, tf.float32),
+                   tf.cast(optimizer.iterations, tf.float32) + 1.0)
+        devices = {_tf_compat.storage(v).device for v, handle in dense if handle[0] != "here"}
+        devices |= {shard.device for _, rows in sharded for _, shard, _, _ in rows}
+        scalar_handles = {device: [outbox.put(device, x) for x in scalars] for device in devices}
+        outbox.deliver()
+
+        def scalars_on(device):
+            handles = scalar_handles.get(device)
+            return scalars if handles is None else [outbox.get(h) for h in handles]
+
+        for slots, rows in sharded:
+            slot_shards = {name: _tf_compat.shards(slot) for name, slot in slots.items()}
+            for j, shard, ids, g in rows:
+                with tf.device(shard.device):  # The ps updates its rows and slots in place.
+                    self._apply_shard(optimizer, shard, outbox.get(ids), outbox.get(g),
+                                      slot_shards, j, *scalars_on(shard.device))
+        dense_vars = [variable for variable, _ in dense]
+        dense_grads = [outbox.get(handle) for _, handle in dense]
+        if dense and _tf_compat.can_fuse_adam(optimizer, dense_vars):
+            _tf_compat.apply_adam(optimizer, dense_grads, dense_vars, scalars_on)
+        elif dense:
             optimizer.apply(dense_grads, dense_vars)
         else:
             optimizer.iterations.assign_add(1)
-
-    def _apply_sharded(self, slots, group, grads, learning_rate, step):
-        optimizer = self.optimizer
-        slot_shards = {name: _tf_compat.shards(slot) for name, slot in slots.items()}
-        for j, (shard, grad) in enumerate(zip(group, grads)):
-            if grad is None:
-                continue
-            ids, g = _unique_rows(grad, shard.shape[0])  # On the worker: U rows leave it.
-            with tf.device(shard.device):  # The ps updates its rows and slots in place.
-                self._apply_shard(optimizer, shard, ids, g, slot_shards, j, learning_rate, step)
 
     def _apply_shard(self, optimizer, shard, ids, g, slot_shards, j, learning_rate, step):
         g = tf.cast(g, shard.dtype)
@@ -161,3 +199,4 @@ class ShardedGradientStep:
             _scatter(slots["v_hat"], ids, v_rows, "scatter_update")
         _scatter(shard, ids, m_rows * alpha / (tf.sqrt(v_rows) + optimizer.epsilon),
                  "scatter_sub")
+

@@ -1,0 +1,49 @@
+"""PNG figures for `docs/benchmarks.md` (matplotlib, from the `bench` extra)."""
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def bar_chart(path, values, title, ylabel):
+    """`values`: {label: number}; one bar each, the number written on it."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    bars = ax.bar(list(values), list(values.values()), color=["#1f77b4", "#ff7f0e", "#2ca02c",
+                                                             "#d62728"][:len(values)])
+    for bar, value in zip(bars, values.values()):
+        ax.annotate(f"{value:,.0f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=9)
+    ax.set_title(title, fontsize=10)
+    ax.set_ylabel(ylabel)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def scaling_chart(path, rows, title):
+    """`rows`: dicts with workers, ps, examples_per_s, efficiency; one line per ps count."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for ps in sorted({r["ps"] for r in rows}):
+        mine = sorted((r for r in rows if r["ps"] == ps), key=lambda r: r["workers"])
+        workers = [r["workers"] for r in mine]
+        left.plot(workers, [r["examples_per_s"] for r in mine], marker="o", label=f"{ps} ps")
+        right.plot(workers, [r["efficiency"] for r in mine], marker="o", label=f"{ps} ps")
+    left.set_xlabel("workers")
+    left.set_ylabel("examples/s")
+    right.set_xlabel("workers")
+    right.set_ylabel("efficiency (vs 1 worker, same ps)")
+    right.set_ylim(0, 1.1)
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

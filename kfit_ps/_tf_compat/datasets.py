@@ -1,0 +1,77 @@
+"""Splitting a worker's dataset into shards, with tf.data's auto-shard rewrite.
+
+`shard_dataset(dataset, num_shards, index)` keeps shard `index` of
+`num_shards` with TensorFlow's auto-shard rewrite (what tf_keras' exact
+evaluation, `pss_evaluation_shards`, uses). `shard_policy` picks how: by file
+when the pipeline reads at least `num_shards` files (each shard reads only its
+files), otherwise by element (batch) at the end of the pipeline (each shard
+reads everything and keeps its part). Either way every element lands in exactly one
+shard, whatever the pipeline's own options say (`with_shard_policy`
+overrides them; left OFF, every shard would see all data).
+"""
+
+import warnings
+
+import tensorflow as tf
+from tensorflow.python.distribute import input_ops
+
+from kfit_ps._tf_compat.versions import check_versions
+
+AutoShardPolicy = tf.data.experimental.AutoShardPolicy
+
+
+def _with_policy(dataset, policy):
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = policy
+    return dataset.with_options(options)
+
+
+def shard_policy(dataset, num_shards):
+    """FILE when `dataset` reads at least `num_shards` files, otherwise DATA.
+
+    Decided on the coordinator by applying the FILE rewrite to `dataset` and
+    reading the first element of shard 0 (the rewrite's errors surface only
+    then): TensorFlow's AUTO policy would instead fail on the workers for a
+    pipeline with fewer files than shards.
+    """
+    check_versions()
+    probe = _with_policy(dataset, AutoShardPolicy.FILE)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            next(iter(input_ops.auto_shard_dataset(probe, num_shards, 0)), None)
+    except (tf.errors.InvalidArgumentError, tf.errors.NotFoundError,
+            tf.errors.UnimplementedError):
+        return AutoShardPolicy.DATA
+    return AutoShardPolicy.FILE
+
+
+def with_shard_policy(dataset, policy):
+    """`dataset` split by `policy` (from `shard_policy`) in `shard_dataset`.
+
+    Call it where the dataset is built: a dataset that arrives as a traced
+    function's argument no longer knows its options.
+    """
+    return _with_policy(dataset, policy)
+
+
+def shard_dataset(dataset, num_shards, index, policy):
+    """Shard `index` (int64 scalar tensor) of `num_shards`, inside a traced function.
+
+    `dataset`: a worker's `tf.data.Dataset` made with `with_shard_policy`, or
+    the `DistributedDataset` of one; `policy`: the same policy. DATA keeps
+    every `num_shards`-th element (batch) of the pipeline with a plain
+    `Dataset.shard`; FILE applies the rewrite. A dataset that arrived as the
+    function's argument reports default options while tracing (and the
+    rewrite takes its policy from there), so the policy is set again.
+    """
+    check_versions()
+    if isinstance(dataset, tf.data.Dataset):
+        if policy == AutoShardPolicy.DATA:  # Every element of the pipeline, one in `num_shards`.
+            return dataset.shard(tf.cast(num_shards, tf.int64), index)
+        dataset = _with_policy(dataset, policy)
+    with warnings.catch_warnings():
+        # `options()` in a traced function warns that serialized options may differ;
+        # the policy was set just above and where the dataset was built.
+        warnings.simplefilter("ignore", UserWarning)
+        return input_ops.auto_shard_dataset(dataset, tf.cast(num_shards, tf.int64), index)

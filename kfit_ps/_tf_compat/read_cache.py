@@ -1,0 +1,55 @@
+"""A Keras scope that answers variable reads from values fetched once per step.
+
+Inside a scheduled function every read of a variable on a ps is its own
+transfer (one gRPC call per variable per step). kfit_ps instead fetches the
+model's small variables in one packed transfer per ps
+(`kfit_ps.training.transfers`) and runs the forward pass in a
+`CachedReadScope`: Keras' `Variable.value` then returns the fetched tensor.
+Writes (batch-norm statistics, seed state) still go to the variable's real
+storage, and later reads in the same scope see the written value.
+
+It nests inside a `LocalStateScope` (metric state): metric variables stay
+local to that scope, and losses added by layers are collected here. It
+relies on how Keras 3.15's `Variable.value`, `assign` and `Layer.add_loss`
+consult the active scope, hence its place here.
+"""
+
+from keras.src.backend.common.stateless_scope import get_stateless_scope
+
+from kfit_ps._tf_compat.metric_scope import LocalStateScope
+
+
+class CachedReadScope(LocalStateScope):
+    """Reads of the variables in `cache` ((variable, tensor) pairs) return those tensors."""
+
+    def __init__(self, cache):
+        super().__init__([])
+        self._cache = {id(variable): value for variable, value in cache}
+        self._parent = None
+
+    def __enter__(self):
+        parent = get_stateless_scope()
+        if parent is not None and not isinstance(parent, LocalStateScope):
+            raise RuntimeError(
+                f"kfit_ps: a CachedReadScope cannot nest in a Keras {type(parent).__name__}.")
+        self._parent = parent
+        return super().__enter__()
+
+    def is_local(self, variable):
+        return self._parent is not None and self._parent.is_local(variable)
+
+    def add_update(self, update):
+        variable, value = update
+        if id(variable) in self._cache:
+            self._cache[id(variable)] = value
+        if self._parent is not None:
+            self._parent.add_update(update)
+        else:
+            variable._direct_assign(value)
+
+    def get_current_value(self, variable):
+        if id(variable) in self._cache:
+            return self._cache[id(variable)]
+        if self._parent is not None:
+            return self._parent.get_current_value(variable)
+        return getattr(variable, "_value", None)

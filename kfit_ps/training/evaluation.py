@@ -1,0 +1,99 @@
+"""Evaluation under parameter servers: shipped batches, per-worker steps, or exact shards.
+
+Shared by `evaluate` and `fit`'s validation. Which path runs follows from the
+input (`inputs.adapt`) and `steps`:
+
+- **Shipped** (numpy arrays, a finite `tf.data.Dataset`): the coordinator
+  reads each batch and sends it with its function; exact and in order, but
+  the coordinator's reading speed bounds it.
+- **Sharded** (a `DatasetCreator` without `steps`, or
+  `kfit_ps.shardable(dataset)`): each worker builds the dataset itself; it is
+  split into shards, and each scheduled function evaluates one whole shard
+  with local metric state that it returns. TensorFlow re-runs the function of
+  a worker that died on another worker, from the shard's start, and the
+  coordinator adds each finished function's state once: every batch counts
+  exactly once, with no batch travelling through the coordinator.
+- **Per-worker steps** (a `DatasetCreator` or infinite dataset with
+  `steps`): `steps` batches of whichever workers are free.
+"""
+
+import itertools
+
+import tensorflow as tf
+
+from kfit_ps.training import cluster_health, functions, inputs, metric_state
+from kfit_ps.training.scheduling import (metric_logs, per_worker_dataset,
+                                         per_worker_iterator, quiet_options_warning,
+                                         schedule_steps)
+
+
+class Evaluation:
+    """Evaluation input of one `evaluate` call or one `fit` call's validation."""
+
+    def __init__(self, model, strategy, eval_input, steps, arg):
+        self.model, self.strategy, self.input = model, strategy, eval_input
+        worker_input = isinstance(eval_input, inputs.WorkerInput)
+        if worker_input and eval_input.sharded and steps is not None:
+            raise ValueError(
+                f"`{arg}` cannot be combined with kfit_ps.shardable(...): a sharded "
+                f"evaluation reads every batch of the data once. Received: {arg}={steps!r}. "
+                f"Remove `{arg}`, or pass the dataset without kfit_ps.shardable to evaluate "
+                "its first batches.")
+        self.sharded = worker_input and steps is None and eval_input.finite
+        self.steps = inputs.check_steps(
+            arg, steps, required_because=(
+                "for an infinite dataset (a DatasetCreator whose dataset repeats, or a "
+                "repeated tf.data.Dataset)" if worker_input and not self.sharded else None))
+        self.num_shards = None
+        if self.sharded:
+            self.num_shards = eval_input.num_shards or inputs.default_num_shards(
+                strategy.num_workers)
+        self._iterator = None
+        self._dataset = self._policy = None
+
+    @property
+    def num_steps(self):
+        """Steps shown by progress bars and callbacks (shards, for a sharded evaluation)."""
+        return self.num_shards or self.steps or self.input.num_batches
+
+    def run(self, callbacks):
+        model, strategy = self.model, self.strategy
+        coordinator = strategy.coordinator
+        fns = functions.for_model(model, strategy, "test_function")
+        accumulator = metric_state.Accumulator(fns.metric_state)
+        model.reset_metrics()
+        callbacks.on_test_begin()
+        last = -1
+        if self.sharded:
+            if self._dataset is None:
+                self._dataset, self._policy = per_worker_dataset(strategy, self.input,
+                                                                 self.num_shards)
+            shard_fn = fns.test_shard(self.num_shards, self._policy)
+            for shard in range(self.num_shards):
+                callbacks.on_test_batch_begin(shard)
+                with quiet_options_warning():  # The first call traces the function.
+                    accumulator.add(coordinator.schedule(
+                        shard_fn, args=(self._dataset, tf.constant(shard, tf.int64))))
+                if shard < self.num_shards - 1:
+                    callbacks.on_test_batch_end(shard, {})
+            last = self.num_shards - 1
+        elif isinstance(self.input, inputs.WorkerInput):
+            if self._iterator is None:
+                self._iterator = per_worker_iterator(strategy, self.input)
+            schedule_steps(coordinator, 0, self.steps, model.steps_per_execution, fns.test,
+                           (self._iterator,), callbacks.on_test_batch_begin,
+                           callbacks.on_test_batch_end, accumulator)
+            last = self.steps - 1
+        else:
+            step_fn = fns.test_batch()
+            for step, batch in enumerate(itertools.islice(self.input.dataset, self.steps)):
+                callbacks.on_test_batch_begin(step)
+                accumulator.add(coordinator.schedule(step_fn, args=(batch,)))
+                callbacks.on_test_batch_end(step, {})
+        cluster_health.join(strategy)
+        accumulator.commit()
+        logs = metric_logs(model)
+        if last >= 0:  # Worker-read input: the last batch end comes after the join.
+            callbacks.on_test_batch_end(last, dict(logs))
+        callbacks.on_test_end(logs)
+        return logs

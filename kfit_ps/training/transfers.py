@@ -1,0 +1,158 @@
+"""Packed transfers: one gRPC call per ps and dtype per step, not one per variable.
+
+Inside a scheduled function every tensor that crosses between the worker and
+a ps is its own remote call (TensorFlow's `RecvTensor`). A model with many
+small variables (a DLRM has 26 tables and an MLP) would make about a hundred
+such calls per step, and on a small machine the ps tasks spend most of their
+time answering them. So a training step moves values in bundles:
+
+- **Reads** (`PackedReads`): the model's unsharded variables of at most
+  `KFIT_PS_PACKED_READ_MAX_BYTES` are read whole, concatenated on their ps,
+  fetched in one transfer per ps and dtype, and split on the worker; the
+  forward pass reads them from there (`_tf_compat.CachedReadScope`). Larger
+  variables (an unsharded embedding table) and sharded tables keep their
+  per-use reads, so only the rows a batch touches move.
+- **Gradients** (`Outbox`): every gradient bound for a ps (dense, or the
+  rows and ids of an embedding's gradient) is packed on the worker and sent
+  in one transfer per dtype; the update then runs on the ps from there.
+
+Each ps still sees every read and update of its variables; only the number
+of calls changes. Reads are taken once at the start of a step, where
+TensorFlow's own function reads each variable when an op first needs it:
+both are "some time during the step" under asynchronous training.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from kfit_ps import _tf_compat, constants
+
+
+def _flat(tensors):
+    flat = [tf.reshape(t, [-1]) for t in tensors]
+    return flat[0] if len(flat) == 1 else tf.concat(flat, axis=0)
+
+
+def _is_ps_device(device):
+    return "/job:ps" in (device or "")
+
+
+class PackedReads:
+    """Whole-value reads of a model's small variables, one transfer per ps and dtype."""
+
+    def __init__(self, variables, max_bytes=None):
+        max_bytes = constants.packed_read_max_bytes() if max_bytes is None else max_bytes
+        self._groups = {}  # (device, dtype) -> [variables]
+        for variable in variables:
+            inner = _tf_compat.storage(variable)
+            if (inner is None or _tf_compat.sharded_storage(variable) is not None
+                    or not _tf_compat.is_kfit_variable(variable)
+                    or not _is_ps_device(inner.device) or not inner.shape.is_fully_defined()):
+                continue
+            if inner.shape.num_elements() * inner.dtype.size > max_bytes:
+                continue
+            self._groups.setdefault((inner.device, inner.dtype), []).append(variable)
+
+    @property
+    def variables(self):
+        return [v for group in self._groups.values() for v in group]
+
+    def read(self):
+        """[(variable, tensor on this worker)], inside a traced function."""
+        pairs = []
+        for (device, _), variables in self._groups.items():
+            inners = [_tf_compat.storage(v) for v in variables]
+            with tf.device(device):  # Concatenated on the ps: one tensor leaves it.
+                packed = _flat([inner.read_value() for inner in inners])
+            sizes = [inner.shape.num_elements() for inner in inners]
+            pieces = tf.split(packed, sizes) if len(sizes) > 1 else [packed]
+            pairs += [(v, tf.reshape(piece, inner.shape))
+                      for v, inner, piece in zip(variables, inners, pieces)]
+        return pairs
+
+
+def send(device, parts):
+    """`parts` (tensors made on this worker) as tensors on `device`; one transfer per dtype.
+
+    Shapes known when tracing are kept; the others travel in a small int64
+    header with the int64 parts.
+    """
+    dynamic = [i for i, p in enumerate(parts) if not p.shape.is_fully_defined()]
+    by_dtype = {}
+    for i, part in enumerate(parts):
+        by_dtype.setdefault(part.dtype, []).append(i)
+    packs = {dtype: _flat([parts[i] for i in indices]) for dtype, indices in by_dtype.items()}
+    header_length = sum(parts[i].shape.rank for i in dynamic)
+    if dynamic:
+        header = _flat([tf.shape(parts[i], out_type=tf.int64) for i in dynamic])
+        packs[tf.int64] = tf.concat([header, packs[tf.int64]], 0) if tf.int64 in packs \
+            else header
+    received = [None] * len(parts)
+    with tf.device(device):
+        arrived = {dtype: tf.identity(pack) for dtype, pack in packs.items()}
+        shapes = {i: parts[i].shape for i in range(len(parts))}
+        offset = 0
+        for i in dynamic:
+            rank = parts[i].shape.rank
+            shapes[i] = arrived[tf.int64][offset:offset + rank]
+            offset += rank
+        if header_length:
+            arrived[tf.int64] = arrived[tf.int64][header_length:]
+        for dtype, indices in by_dtype.items():
+            sizes = [tf.reduce_prod(shapes[i]) if i in dynamic else shapes[i].num_elements()
+                     for i in indices]
+            if len(indices) == 1:
+                pieces = [arrived[dtype]]
+            elif any(i in dynamic for i in indices):
+                pieces = tf.split(arrived[dtype], tf.stack(
+                    [tf.cast(s, tf.int64) for s in sizes]), num=len(indices))
+            else:
+                pieces = tf.split(arrived[dtype], sizes)
+            for i, piece in zip(indices, pieces):
+                value = tf.reshape(piece, shapes[i])
+                value.set_shape(parts[i].shape)
+                received[i] = value
+    return received
+
+
+class Outbox:
+    """Values bound for ps devices, delivered in one packed transfer per device and dtype."""
+
+    def __init__(self):
+        self._parts = {}
+        self._received = None
+
+    def _put(self, device, tensor):
+        parts = self._parts.setdefault(device, [])
+        parts.append(tensor)
+        return device, len(parts) - 1
+
+    def put(self, device, value, dense_shape=None):
+        """Queues a tensor or `IndexedSlices` for `device`; returns a handle for `get`.
+
+        `dense_shape`: the static shape of an `IndexedSlices`' variable (so it
+        does not travel).
+        """
+        if not _is_ps_device(device):
+            return ("here", value)
+        if isinstance(value, tf.IndexedSlices):
+            shape = value.dense_shape if dense_shape is None else tf.constant(
+                np.asarray(dense_shape, np.int64))
+            return ("slices", self._put(device, value.values),
+                    self._put(device, tf.cast(value.indices, tf.int64)), shape)
+        return ("tensor", self._put(device, tf.convert_to_tensor(value)))
+
+    def deliver(self):
+        self._received = {device: send(device, parts) for device, parts in self._parts.items()}
+
+    def get(self, handle):
+        kind = handle[0]
+        if kind == "here":
+            return handle[1]
+        if kind == "tensor":
+            device, index = handle[1]
+            return self._received[device][index]
+        (device, values), (_, indices), shape = handle[1], handle[2], handle[3]
+        with tf.device(device):
+            return tf.IndexedSlices(self._received[device][values],
+                                    self._received[device][indices], shape)
