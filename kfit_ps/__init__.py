@@ -37,6 +37,7 @@ from kfit_ps import partitioners  # noqa: E402
 from kfit_ps.training import (DatasetCreator, SidecarEvaluator, export_saved_model,  # noqa: E402
                               shardable)
 from kfit_ps import callbacks  # noqa: E402
+from kfit_ps import layers  # noqa: E402
 from kfit_ps.errors import ClusterError, ParameterServerError, WorkersLostError  # noqa: E402
 from kfit_ps.launch import LaunchConfig, run  # noqa: E402
 
@@ -61,6 +62,7 @@ __all__ = [
     "errors",
     "export_saved_model",
     "job_cluster",
+    "layers",
     "partitioners",
     "run",
     "shardable",

@@ -20,6 +20,7 @@ and `LocalCluster` passes the environment on to its servers.
 | `KFIT_PS_ISOLATED` | unset | set by `kfit-ps quickstart` / `kfit-ps run --isolated` in the private network namespace they re-execute in |
 | `KFIT_PS_PACKED_READ_MAX_BYTES` | `262144` | unsharded variables up to this size are fetched whole, in one packed transfer per ps, at the start of each step (`kfit_ps.training.transfers`); 0 turns packed reads off |
 | `KFIT_PS_METRIC_RESULTS_PENDING` | `1024` | finished functions' metric results the coordinator keeps before adding the oldest to its running sum (bounds its memory in long epochs) |
+| `KFIT_PS_TABLE_CHUNK_ROWS` | `65536` | rows of a dynamic table that saving (`save_weights`, `.keras`) fetches from a ps at a time, and loading sends at a time (`kfit_ps.embeddings`) |
 | `KFIT_PS_PROGRESS_INTERVAL` | `0.25` | seconds between progress-bar updates during `fit` (no synchronisation) |
 | `KFIT_PS_EVALUATOR_IDLE_TIMEOUT` | `1800` | seconds a side-car evaluator waits for a new checkpoint in a directory that kfit_ps training does not write |
 | `KFIT_PS_LOG_LEVEL` | `WARNING` | log level of the `kfit_ps` logger in the `kfit-ps` commands (a program that imports kfit_ps sets its own) |
@@ -51,6 +52,7 @@ PS_ENV = "KFIT_PS_PS"
 TF_LOGS_ENV = "KFIT_PS_TF_LOGS"
 PACKED_READ_MAX_BYTES_ENV = "KFIT_PS_PACKED_READ_MAX_BYTES"
 METRIC_RESULTS_PENDING_ENV = "KFIT_PS_METRIC_RESULTS_PENDING"
+TABLE_CHUNK_ROWS_ENV = "KFIT_PS_TABLE_CHUNK_ROWS"
 
 DEFAULT_STARTUP_TIMEOUT = 120.0
 DEFAULT_PARENT_POLL = 0.5
@@ -59,6 +61,7 @@ DEFAULT_EVALUATOR_IDLE_TIMEOUT = 1800.0
 DEFAULT_WORKER_TIMEOUT = 300.0
 DEFAULT_PACKED_READ_MAX_BYTES = 256 << 10
 DEFAULT_METRIC_RESULTS_PENDING = 1024
+DEFAULT_TABLE_CHUNK_ROWS = 1 << 16
 
 # Task types understood by kfit_ps, in TensorFlow's naming.
 CHIEF = "chief"
@@ -127,6 +130,11 @@ def packed_read_max_bytes():
 
 def metric_results_pending():
     return _env_int_at_least(METRIC_RESULTS_PENDING_ENV, DEFAULT_METRIC_RESULTS_PENDING, 1)
+
+
+def table_chunk_rows():
+    """Rows of a dynamic table moved per transfer when saving or loading it."""
+    return _env_int_at_least(TABLE_CHUNK_ROWS_ENV, DEFAULT_TABLE_CHUNK_ROWS, 1)
 
 
 def tf_config():

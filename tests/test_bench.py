@@ -91,3 +91,30 @@ def test_long_run_and_scaling_report(tmp_path):
     assert [(r["workers"], r["ps"]) for r in rows] == [(1, 1), (2, 1)]
     assert rows[0]["efficiency"] == 1.0
     assert (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("part, extra", [
+    ("quality", ["--rows", "3000", "--batch-size", "128"]),
+    ("table_size", ["--small", "1000", "--large", "20000", "--steps", "20"]),
+    ("eviction", ["--stream", "20000", "--capacity", "2000"]),
+])
+def test_dynamic_embeddings_parts_report(tmp_path, part, extra):
+    out = tmp_path / "result.json"
+    proc = subprocess.run(
+        [sys.executable, "bench/dynamic_embeddings.py", "--part", part, "--repeats", "1",
+         "--json", str(out), *extra],
+        cwd=helpers.ROOT, env=helpers.chief_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    if part == "quality":
+        assert set(result["median_auc"]) == {"hashed", "dynamic", "unbounded", "full"}
+        assert all(0 < auc <= 1 for auc in result["median_auc"].values())
+        rows = {kind: runs[0]["rows"] for kind, runs in result["results"].items()}
+        assert rows["dynamic"] <= 1.2 * rows["hashed"] and rows["unbounded"] <= rows["full"]
+    elif part == "table_size":
+        assert [r["rows"] for r in result["results"]["large"]] == [20000]
+        assert result["step_time_ratio"] > 0
+    else:
+        assert 0 < result["peak_rows_per_shard"] <= result["bound"]
+        assert result["rows"] <= 2 * (result["shard_capacity"] + result["slack"])

@@ -83,3 +83,20 @@ def test_dlrm_saves_and_loads_with_its_custom_layers(files, tmp_path):
     loaded = keras.models.load_model(str(tmp_path / "dlrm.keras"))
     np.testing.assert_allclose(loaded.predict(features, verbose=0), expected, rtol=1e-6)
     assert expected.shape == (16, 1)
+
+
+def test_raw_ids_grow_over_time_and_read_back_as_int64(tmp_path):
+    spec = criteo.CriteoSpec(scale=1e-3)
+    paths = criteo.generate(str(tmp_path), rows=20_000, files=4, spec=spec, raw_ids=True,
+                            growth=3.0)
+    columns = [[int(line.split("\t")[14 + 2] or -1) for line in open(p)] for p in paths]
+    assert max(columns[0]) < spec.cardinalities[2] * 1.75  # C3 at a quarter of the way
+    assert max(columns[-1]) > spec.cardinalities[2] * 2.5  # ... and at its end: new ids
+    first = set(columns[0])
+    assert len(set(columns[-1]) - first) > 1000  # the last period brings unseen ids
+    features, _ = next(iter(criteo.dataset(paths[-1:], 50_000, spec, shuffle=False,
+                                           repeat=False, raw_ids=True)))
+    assert features["C3"].dtype == tf.int64
+    assert sorted(set(features["C3"].numpy().tolist())) == sorted(set(columns[-1]))
+    with pytest.raises(ValueError, match="growth"):
+        criteo.generate(str(tmp_path / "x"), rows=10, growth=-1)

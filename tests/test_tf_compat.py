@@ -277,3 +277,26 @@ def test_shard_dataset_puts_every_element_in_exactly_one_shard(tmp_path):
         everything = [int(v) for batch in _tf_compat.with_shard_policy(source, expected)
                       for v in batch.numpy()]
         assert sorted(seen) == sorted(everything) and len(everything) in (103, 60)
+
+
+def test_named_hash_tables_and_pinned_variables(strategy):
+    """A table gets a UUID shared name (not `table_<n>`); a pinned variable keeps its ps even in
+    the strategy's scope, where `tf.Variable` would be placed round-robin."""
+    device = "/job:ps/replica:0/task:1/device:CPU:0"
+    first = _tf_compat.hash_table(tf.int64, tf.float32, tf.constant(-1.0), device, "t")
+    second = _tf_compat.hash_table(tf.int64, tf.float32, tf.constant(-1.0), device, "t")
+    assert first._shared_name.startswith("kfit_ps_t_") and first._shared_name != second._shared_name
+    assert first.resource_handle.device == device
+    with strategy.scope():
+        counters = _tf_compat.pinned_variable(tf.zeros([3], tf.int64), device, "c")
+    assert counters.device == device and not counters.trainable
+    with tf.device(device):
+        first.insert(tf.constant([7], tf.int64), tf.constant([2.0]))
+
+    @tf.function
+    def read_in_tf_data():  # tf.data's runtime finds a named table (an anonymous one: no).
+        data = tf.data.Dataset.from_tensor_slices(tf.constant([7, 8], tf.int64))
+        return data.reduce(tf.constant(0.0), lambda total, key: total + first.lookup(key))
+
+    result = strategy.coordinator.schedule(read_in_tf_data)
+    assert result.fetch() == 1.0

@@ -21,6 +21,8 @@ from kfit_ps._tf_compat.keras_variables import (
     storage,
 )
 from kfit_ps._tf_compat.metric_scope import LocalStateScope
+from kfit_ps._tf_compat.pinned_variables import pinned_variable
+from kfit_ps._tf_compat.hash_tables import hash_table
 from kfit_ps._tf_compat.read_cache import CachedReadScope
 from kfit_ps._tf_compat.datasets import shard_dataset, shard_policy, with_shard_policy
 from kfit_ps._tf_compat.fused_adam import apply_adam, can_fuse as can_fuse_adam
@@ -38,6 +40,7 @@ from kfit_ps._tf_compat.keras_trainer import (
     has_stock_train_step,
     install_load_weights_hook,
     optimizer_slots,
+    sublayers,
     train_step_with,
     initial_epoch_override,
     install_dispatch,
@@ -62,7 +65,10 @@ __all__ = [
     "has_stock_train_step",
     "install_sharding_support",
     "optimizer_slots",
+    "hash_table",
+    "pinned_variable",
     "sharded_storage",
+    "sublayers",
     "shards",
     "train_step_with",
     "variable_partitioner",

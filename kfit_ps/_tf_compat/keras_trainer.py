@@ -130,7 +130,12 @@ def has_stock_train_step(model):
     return type(model).train_step is _tf_trainer.TensorFlowTrainer.train_step
 
 
-def train_step_with(model, data, apply_gradients, cached=()):
+def sublayers(model):
+    """Every layer inside `model`, nested ones included (not `model` itself)."""
+    return list(model._flatten_layers(include_self=False))
+
+
+def train_step_with(model, data, apply_gradients, cached=(), watcher=None):
     """Keras 3.15's TensorFlow `train_step`, with the gradient step supplied.
 
     `apply_gradients(tape, loss)` computes and applies the gradients; the rest
@@ -139,9 +144,14 @@ def train_step_with(model, data, apply_gradients, cached=()):
     without. `cached`: (variable, tensor) pairs the forward pass and loss read
     instead of the variables (`CachedReadScope`); the tape watches the
     trainable ones, so gradients are taken with respect to those tensors.
+    `watcher` (optional): its `set_tape(tape)` is called as the tape opens
+    (dynamic embeddings watch the rows they read on it), and the gradient
+    step also runs when its `lookups` are not empty.
     """
     x, y, sample_weight = data_adapters.data_adapter_utils.unpack_x_y_sample_weight(data)
     with tf.GradientTape() as tape:
+        if watcher is not None:
+            watcher.set_tape(tape)
         tape.watch([value for variable, value in cached if variable.trainable])
         with CachedReadScope(cached) if cached else contextlib.nullcontext():
             if model._call_has_training_arg:
@@ -155,7 +165,7 @@ def train_step_with(model, data, apply_gradients, cached=()):
                 sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0])
         if model.optimizer is not None:
             loss = model.optimizer.scale_loss(loss)
-    if model.trainable_weights:
+    if model.trainable_weights or (watcher is not None and watcher.lookups):
         apply_gradients(tape, loss)
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 

@@ -74,8 +74,15 @@ def _hidden_weight(feature, ids):
 
 
 def generate(directory, rows, spec=CriteoSpec(), files=1, seed=0, zipf_a=1.2,
-             missing=0.03):
-    """Writes `rows` lines of Criteo-layout TSV into `files` files; returns their paths."""
+             missing=0.03, raw_ids=False, growth=0.0):
+    """Writes `rows` lines of Criteo-layout TSV into `files` files; returns their paths.
+
+    `raw_ids=True` writes each categorical value as its raw id in decimal
+    (unhashed, unbounded: read them with `dataset(..., raw_ids=True)`).
+    `growth` > 0 makes the id space grow over the file's lines, as new users
+    and items arrive: line r draws from `cardinality * (1 + growth * r / rows)`
+    ids, so later lines (and files) bring ids earlier ones never had.
+    """
     if rows < 1 or files < 1:
         raise ValueError(f"generate: `rows` and `files` must be >= 1. Received: rows={rows!r}, "
                          f"files={files!r}.")
@@ -87,8 +94,12 @@ def generate(directory, rows, spec=CriteoSpec(), files=1, seed=0, zipf_a=1.2,
     cardinalities = np.array(spec.cardinalities)
     ids = np.empty((rows, NUM_CATEGORICAL), dtype=np.int64)
     logit = np.full(rows, -1.0)
+    if growth < 0:
+        raise ValueError(f"generate: `growth` must be >= 0. Received: growth={growth!r}.")
+    time = 1.0 + growth * np.arange(rows) / rows
     for j, cardinality in enumerate(cardinalities):
-        ids[:, j] = (rng.zipf(zipf_a, rows) - 1) % cardinality
+        space = np.maximum(2, (cardinality * time).astype(np.int64))
+        ids[:, j] = (rng.zipf(zipf_a, rows) - 1) % space
         logit += 4.0 * _hidden_weight(j, ids[:, j]) / np.sqrt(NUM_CATEGORICAL)
     counts = rng.poisson(rng.gamma(1.0, 3.0, (rows, NUM_DENSE))).astype(np.int64)
     logit += 0.15 * (np.log1p(counts[:, 0]) - np.log1p(counts[:, 1]))
@@ -96,7 +107,7 @@ def generate(directory, rows, spec=CriteoSpec(), files=1, seed=0, zipf_a=1.2,
     hashed = (ids * 2654435761 + np.arange(NUM_CATEGORICAL) * 40503) % (1 << 32)
     dense_text = counts.astype(str)
     dense_text[rng.random(counts.shape) < missing] = ""
-    cat_text = np.char.mod("%08x", hashed)
+    cat_text = np.char.mod("%d", ids) if raw_ids else np.char.mod("%08x", hashed)
     cat_text[rng.random(ids.shape) < missing] = ""
     table = np.concatenate([labels[:, None].astype(str), dense_text, cat_text], axis=1)
     paths = []
@@ -109,8 +120,13 @@ def generate(directory, rows, spec=CriteoSpec(), files=1, seed=0, zipf_a=1.2,
     return paths
 
 
-def parse_lines(lines, spec=CriteoSpec()):
-    """Parses a batch of Criteo TSV lines into (features, label) tensors."""
+def parse_lines(lines, spec=CriteoSpec(), raw_ids=False):
+    """Parses a batch of Criteo TSV lines into (features, label) tensors.
+
+    Categorical values are hashed into `spec.buckets` rows, or, with
+    `raw_ids`, parsed as the raw int64 ids `generate(raw_ids=True)` wrote
+    (an empty value reads as -1).
+    """
     import tensorflow as tf
 
     defaults = [[0.0]] + [[0.0]] * NUM_DENSE + [[""]] * NUM_CATEGORICAL
@@ -119,16 +135,22 @@ def parse_lines(lines, spec=CriteoSpec()):
     dense = tf.stack(fields[1:1 + NUM_DENSE], axis=1)
     features = {"dense": tf.math.log1p(tf.maximum(dense, 0.0))}
     for j, name in enumerate(CATEGORICAL):
-        features[name] = tf.strings.to_hash_bucket_fast(fields[1 + NUM_DENSE + j],
-                                                        spec.buckets[j])
+        text = fields[1 + NUM_DENSE + j]
+        if raw_ids:
+            text = tf.where(tf.equal(text, ""), "-1", text)
+            features[name] = tf.strings.to_number(text, out_type=tf.int64)
+        else:
+            features[name] = tf.strings.to_hash_bucket_fast(text, spec.buckets[j])
     return features, tf.expand_dims(fields[0], 1)
 
 
-def dataset(paths, batch_size, spec=CriteoSpec(), shuffle=True, repeat=True, seed=None):
+def dataset(paths, batch_size, spec=CriteoSpec(), shuffle=True, repeat=True, seed=None,
+            raw_ids=False):
     """A `tf.data.Dataset` of (features, label) batches from Criteo-layout files.
 
     `features` is `{"dense": float32 [B, 13] (log1p of counts), "C1".."C26":
-    int64 [B] (hash bucket)}`; `label` is float32 [B, 1].
+    int64 [B] (hash bucket, or the raw id with `raw_ids`)}`; `label` is
+    float32 [B, 1].
     """
     import tensorflow as tf
 
@@ -141,5 +163,5 @@ def dataset(paths, batch_size, spec=CriteoSpec(), shuffle=True, repeat=True, see
     if repeat:
         lines = lines.repeat()
     return lines.batch(batch_size).map(
-        lambda batch: parse_lines(batch, spec),
+        lambda batch: parse_lines(batch, spec, raw_ids),
         num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)

@@ -32,15 +32,24 @@ class Stack(keras.layers.Layer):
         return ops.stack(vectors, axis=1)
 
 
-def build_dlrm(spec=criteo.CriteoSpec(), embedding_dim=16, name="dlrm"):
-    """The model; inputs are `criteo.dataset()` features, the output a click probability."""
+def build_dlrm(spec=criteo.CriteoSpec(), embedding_dim=16, name="dlrm", embeddings=None):
+    """The model; inputs are `criteo.dataset()` features, the output a click probability.
+
+    `embeddings(categorical)` maps the dict of the 26 id inputs to a dict of
+    their vectors (default: one `keras.layers.Embedding` per feature, of
+    `spec.buckets` rows); pass for example a `kfit_ps.layers.DynamicEmbedding`
+    for raw, unbounded ids.
+    """
     dense = keras.Input((criteo.NUM_DENSE,), name="dense")
     categorical = {c: keras.Input((), dtype="int64", name=c) for c in criteo.CATEGORICAL}
     bottom = keras.layers.Dense(64, activation="relu", name="bottom_1")(dense)
     bottom = keras.layers.Dense(embedding_dim, activation="relu", name="bottom_2")(bottom)
-    vectors = [bottom] + [
-        keras.layers.Embedding(rows, embedding_dim, name=f"{c}_embedding")(categorical[c])
-        for c, rows in zip(criteo.CATEGORICAL, spec.buckets)]
+    if embeddings is None:
+        embedded = {c: keras.layers.Embedding(rows, embedding_dim, name=f"{c}_embedding")(
+            categorical[c]) for c, rows in zip(criteo.CATEGORICAL, spec.buckets)}
+    else:
+        embedded = embeddings(categorical)
+    vectors = [bottom] + [embedded[c] for c in criteo.CATEGORICAL]
     stack = Stack()(vectors)
     x = keras.layers.Concatenate()([bottom, DotInteraction()(stack)])
     x = keras.layers.Dense(64, activation="relu", name="top_1")(x)

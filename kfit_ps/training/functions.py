@@ -21,7 +21,7 @@ previous step's writes to it.
 
 import tensorflow as tf
 
-from kfit_ps import _tf_compat
+from kfit_ps import _tf_compat, embeddings
 from kfit_ps.training import sharded_updates, transfers
 from kfit_ps.training.metric_state import MetricState
 
@@ -68,8 +68,10 @@ class ScheduledFunctions:
 
         def step(data):
             cached = reads.read()
-            return _tf_compat.train_step_with(
-                model, data, sharded_updates.GradientStep(model, cached), cached)
+            with embeddings.recording.Recorder() as recorder:  # Dynamic tables' lookups.
+                return _tf_compat.train_step_with(
+                    model, data, sharded_updates.GradientStep(model, cached, recorder.lookups),
+                    cached, watcher=recorder)
 
         return step
 

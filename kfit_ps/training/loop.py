@@ -34,7 +34,7 @@ import numpy as np
 import tensorflow as tf
 from keras.callbacks import CallbackList
 
-from kfit_ps import _tf_compat, validation
+from kfit_ps import _tf_compat, embeddings, validation
 from kfit_ps.strategy import is_kfit_strategy
 from kfit_ps.training import (cluster_health, functions, inputs, metric_state,
                               sharded_updates)
@@ -101,6 +101,8 @@ def prepare(model, strategy, element_spec, method):
                 "respect to `kfit_ps.shards(variable)` and create the model without a "
                 "variable_partitioner.")
         sharded_updates.check_optimizer(model)
+    if method in _TRAINING:
+        embeddings.prepare_training(model)
 
 
 def _check_optimizer(model):
@@ -226,6 +228,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
             val_logs = evaluation.run(callbacks)
             logs.update({f"val_{k}": v for k, v in val_logs.items()})
         progress.epoch_end(logs)
+        logs.update(embeddings.epoch_stats(model))  # Dynamic tables: rows, admitted, evicted.
         callbacks.on_epoch_end(epoch, logs)
         if model.stop_training:
             break

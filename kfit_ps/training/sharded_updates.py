@@ -8,7 +8,10 @@ that step (`_tf_compat.train_step_with`):
   variables in one packed transfer per ps (`transfers.PackedReads`);
 - a plain `Adam` updates each dense variable with one fused kernel on its ps
   (`_tf_compat.apply_adam`); other optimizers use Keras' own `apply`;
-- sharded variables: only touched rows move (below).
+- sharded variables: only touched rows move (below);
+- dynamic embeddings (`kfit_ps.embeddings`): the rows a lookup read are
+  watched on the tape; their gradients (and each key's count in the batch)
+  travel to the table's ps, where `DynamicTable.update` runs.
 
 A sharded variable's gradient is taken with respect to its shards: for an
 embedding lookup, each shard's gradient is an `IndexedSlices` of the rows the
@@ -75,6 +78,15 @@ def _unique_rows(gradient, rows):
     return tf.range(rows, dtype=tf.int64), gradient
 
 
+def _with_counts(gradient, lookup):
+    """A dynamic lookup's gradient rows (dense), with each key's batch count as a last column."""
+    rows = tf.shape(lookup.rows)[0]
+    if isinstance(gradient, tf.IndexedSlices):
+        gradient = tf.math.unsorted_segment_sum(gradient.values, gradient.indices, rows)
+    counts = tf.cast(lookup.counts, gradient.dtype)[:, None]
+    return tf.concat([gradient, counts], axis=1)
+
+
 def _scatter(variable, ids, values, op):
     getattr(variable, op)(tf.IndexedSlices(values, ids))
 
@@ -88,10 +100,11 @@ class GradientStep:
     packed transfer per ps (`transfers.Outbox`); updates then run there.
     """
 
-    def __init__(self, model, cached=()):
+    def __init__(self, model, cached=(), lookups=()):
         self.model = model
         self.optimizer = model.optimizer
         self._cached = {id(variable): value for variable, value in cached}
+        self._lookups = lookups  # Filled by the forward pass (`embeddings.recording`).
 
     def _sources(self, variable):
         if _tf_compat.sharded_storage(variable) is not None:
@@ -101,8 +114,13 @@ class GradientStep:
     def __call__(self, tape, loss):
         variables = self.model.trainable_variables
         groups = [self._sources(v) for v in variables]
-        flat = tape.gradient(loss, [s for group in groups for s in group])
+        sources = [s for group in groups for s in group]
+        lookups = list(self._lookups)
+        flat = tape.gradient(loss, sources + [lookup.rows for lookup in lookups])
         outbox = transfers.Outbox()
+        dynamic = [(lookup, outbox.put(lookup.device, lookup.keys),
+                    outbox.put(lookup.device, _with_counts(grad, lookup)))
+                   for lookup, grad in zip(lookups, flat[len(sources):]) if grad is not None]
         dense, sharded, position = [], [], 0
         for variable, group in zip(variables, groups):
             grads = flat[position:position + len(group)]
@@ -132,6 +150,7 @@ class GradientStep:
                    tf.cast(optimizer.iterations, tf.float32) + 1.0)
         devices = {_tf_compat.storage(v).device for v, handle in dense if handle[0] != "here"}
         devices |= {shard.device for _, rows in sharded for _, shard, _, _ in rows}
+        devices |= {lookup.device for lookup, _, _ in dynamic}
         scalar_handles = {device: [outbox.put(device, x) for x in scalars] for device in devices}
         outbox.deliver()
 
@@ -145,6 +164,12 @@ class GradientStep:
                 with tf.device(shard.device):  # The ps updates its rows and slots in place.
                     self._apply_shard(optimizer, shard, outbox.get(ids), outbox.get(g),
                                       slot_shards, j, *scalars_on(shard.device))
+        for lookup, keys, packed in dynamic:
+            with tf.device(lookup.device):  # The ps updates its rows, slots and counts.
+                packed = outbox.get(packed)
+                lookup.table.update(lookup.shard, outbox.get(keys), packed[:, :-1],
+                                    tf.cast(packed[:, -1], tf.int64), optimizer,
+                                    *scalars_on(lookup.device))
         dense_vars = [variable for variable, _ in dense]
         dense_grads = [outbox.get(handle) for _, handle in dense]
         if dense and _tf_compat.can_fuse_adam(optimizer, dense_vars):

@@ -1,0 +1,43 @@
+"""What the fit loop asks of a model's dynamic embedding layers."""
+
+from kfit_ps import _tf_compat
+from kfit_ps.embeddings.layer import DynamicEmbedding
+from kfit_ps.embeddings import updates
+
+
+def dynamic_layers(model):
+    """The model's `DynamicEmbedding` layers, nested ones included."""
+    return [layer for layer in _tf_compat.sublayers(model)
+            if isinstance(layer, DynamicEmbedding)]
+
+
+def prepare_training(model):
+    """Checks that `model` can train its dynamic tables and creates their slot tables.
+
+    Raises ValueError naming the supported optimizers, or the need for Keras'
+    own `train_step`.
+    """
+    layers = dynamic_layers(model)
+    if not layers:
+        return
+    updates.slot_names(model.optimizer)  # The error names the supported optimizers.
+    if not _tf_compat.has_stock_train_step(model):
+        raise ValueError(
+            f"Model {model.name!r} overrides `train_step` and has DynamicEmbedding layers "
+            f"({', '.join(repr(layer.name) for layer in layers)}): their tables are updated by "
+            "kfit_ps' gradient step inside Keras' own train_step. Remove the override.")
+    for layer in layers:
+        if layer.table is not None:
+            layer.use_optimizer(model.optimizer)
+
+
+def epoch_stats(model):
+    """{"<layer>_rows": ..., "<layer>_admitted": ..., "<layer>_evicted": ...} for epoch logs."""
+    logs = {}
+    for layer in dynamic_layers(model):
+        if layer.table is None:
+            continue
+        stats = layer.stats()
+        for name in ("rows", "admitted", "evicted"):
+            logs[f"{layer.name}_{name}"] = float(stats[name])
+    return logs

@@ -1,0 +1,350 @@
+"""DynamicEmbedding on a real cluster: training, admission, eviction, saving, export."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests import helpers
+
+
+def _summing_model(layer, width, optimizer):
+    """ids (batch, width) -> sum of their vectors; loss = prediction: each element's gradient
+    is (times the id occurs in the batch) / batch size."""
+    import keras
+
+    ids = keras.Input(shape=(width,), dtype="int64")
+    out = keras.layers.Lambda(lambda e: keras.ops.sum(e, axis=(1, 2)))(layer(ids))
+    model = keras.Model(ids, out)
+    model.compile(optimizer=optimizer, loss=lambda y, p: p)
+    return model
+
+
+def _vectors(layer, ids):
+    """The layer's stored vectors of `ids`, read outside training."""
+    return np.asarray(layer(tf.constant(ids, tf.int64)[:, None], training=False))[:, 0]
+
+
+def _stored_keys(layer):
+    keys = []
+    for shard in layer.table.shards:
+        with tf.device(shard.device):
+            keys += shard.values.export()[0].numpy().tolist()
+    return sorted(keys)
+
+
+def _initial(layer, ids):
+    from kfit_ps.embeddings import hashing
+
+    return hashing.initial_rows(tf.constant(ids, tf.int64), layer.output_dim,
+                                *layer._initializer, layer.seed).numpy()
+
+
+def test_new_ids_start_from_their_own_initial_vector(strategy):
+    import keras
+    import kfit_ps
+
+    with strategy.scope():
+        layer = kfit_ps.layers.DynamicEmbedding(4, seed=11)
+        model = _summing_model(layer, 3, keras.optimizers.SGD(learning_rate=0.0))
+    ids = np.array([[5, -9, 2**40], [5, 7, 7]])
+    model.fit(ids, np.zeros(2), batch_size=2, epochs=1, verbose=0)
+    stored = [5, -9, 2**40, 7]
+    np.testing.assert_array_equal(_vectors(layer, stored), _initial(layer, stored))
+    assert np.all(np.abs(_vectors(layer, stored)) <= 0.05)  # Keras' "uniform" default.
+    assert np.all(_vectors(layer, [123456]) == 0)  # Never seen: the default vector.
+    assert layer.stats()["rows"] == 4
+    other = kfit_ps.layers.DynamicEmbedding(4, seed=11)
+    other.build()
+    np.testing.assert_array_equal(_initial(other, stored), _initial(layer, stored))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adagrad", "adam"])
+def test_one_step_matches_the_lazy_formula(strategy, optimizer):
+    import keras
+    import kfit_ps
+
+    make = {"sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True),
+            "adagrad": lambda: keras.optimizers.Adagrad(0.1),
+            "adam": lambda: keras.optimizers.Adam(0.1)}[optimizer]
+    with strategy.scope():
+        layer = kfit_ps.layers.DynamicEmbedding(3)
+        model = _summing_model(layer, 2, make())
+    ids = np.array([[1, 2], [1, 3]])  # Counts 2, 1, 1 in a batch of 2: gradients 1, .5, .5.
+    for _ in range(2):
+        model.train_on_batch(ids, np.zeros(2))
+    reference = make()
+    keys = [1, 2, 3]
+    g = np.array([1.0, 0.5, 0.5])[:, None] * np.ones((3, 3), np.float32)
+    var = keras.Variable(_initial(layer, keys))
+    reference.build([var])
+    for _ in range(2):
+        reference.apply([tf.constant(g, tf.float32)], [var])
+    np.testing.assert_allclose(_vectors(layer, keys), var.numpy(), rtol=1e-5, atol=1e-6)
+    assert int(model.optimizer.iterations.numpy()) == 2
+
+
+def test_hot_ids_from_two_workers_never_tear_a_row(strategy):
+    """1,000 steps of both workers on the same 4 ids: every row is its initial vector minus
+    a whole number of SGD updates, the same number in every element; iterations exact."""
+    import keras
+    import kfit_ps
+
+    lr = 2.0 ** -10
+    with strategy.scope():
+        layer = kfit_ps.layers.DynamicEmbedding(8)
+        model = _summing_model(layer, 4, keras.optimizers.SGD(lr))
+    ids = np.tile(np.array([[1, 2, 3, 4]]), (8, 1))  # Each id 8 times per batch of 8: g = 1.
+    x = np.tile(ids, (1000, 1))
+    model.fit(x, np.zeros(len(x)), batch_size=8, epochs=1, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 1000
+    applied = (_initial(layer, [1, 2, 3, 4]) - _vectors(layer, [1, 2, 3, 4])) / lr
+    assert not np.isnan(applied).any()
+    np.testing.assert_allclose(applied, np.round(applied), atol=0.05)
+    assert np.all(applied.max(axis=1) - applied.min(axis=1) < 0.05), applied  # Not torn.
+    assert np.all((applied > 500) & (applied < 1000.5)), applied[:, 0]
+
+
+def test_admission_waits_for_min_count(strategy):
+    import keras
+    import kfit_ps
+
+    with strategy.scope():
+        layer = kfit_ps.layers.DynamicEmbedding(2, min_count=3)
+        model = _summing_model(layer, 4, keras.optimizers.Adagrad(0.1))
+    model.train_on_batch(np.array([[5, 5, 5, 6]]), np.zeros(1))
+    assert np.all(_vectors(layer, [6]) == 0) and layer.stats()["rows"] == 1
+    np.testing.assert_array_equal(_vectors(layer, [5]), _initial(layer, [5]))  # Admitted untrained.
+    model.train_on_batch(np.array([[6, 6, 8, 8]]), np.zeros(1))
+    assert np.all(_vectors(layer, [6]) != 0) and np.all(_vectors(layer, [8]) == 0)
+    assert layer.stats()["admitted"] == 2
+
+
+def test_capacity_bounds_rows_held_on_every_ps(strategy):
+    import keras
+    import kfit_ps
+
+    with strategy.scope():
+        layer = kfit_ps.layers.DynamicEmbedding(4, capacity=200)
+        model = _summing_model(layer, 8, keras.optimizers.Adam(0.01))
+    hot = np.tile(np.arange(8), (40, 1))  # Seen every fourth step: never the least seen.
+    fresh = np.arange(100, 100 + 120 * 8).reshape(120, 8)  # 960 ids seen once each.
+    x = np.concatenate([np.concatenate([hot[i:i + 1]] + [fresh[3 * i + j:3 * i + j + 1]
+                                                          for j in range(3)]) for i in range(40)])
+    history = model.fit(x, np.zeros(len(x)), batch_size=1, epochs=1, verbose=0)
+    stats = layer.stats()
+    per_shard = layer.table.shard_capacity + layer.table.slack
+    in_flight = strategy.num_workers * 8  # New ids of the updates running at once.
+    assert stats["peak_rows_per_shard"] <= per_shard + in_flight, stats
+    # Each worker reads its own copy of the arrays: each id is admitted once or twice.
+    assert stats["rows"] <= 2 * per_shard and stats["evicted"] >= 300, stats
+    assert np.all(_vectors(layer, np.arange(8)) != 0)  # The hot ids survived.
+    assert history.history[f"{layer.name}_evicted"] == [float(stats["evicted"])]
+
+
+def test_age_evicts_ids_not_seen_for_max_age_steps(strategy):
+    import keras
+    import kfit_ps
+
+    with strategy.scope():
+        layer = kfit_ps.layers.DynamicEmbedding(2, max_age=20, name="aged")
+        model = _summing_model(layer, 2, "sgd")
+    old = np.arange(1000, 1040).reshape(20, 2)
+    new = np.tile(np.array([[1, 2]]), (180, 1))  # Each worker: old ids first, then these.
+    history = model.fit(np.concatenate([old, new]), np.zeros(200), batch_size=1, epochs=1,
+                        verbose=0, shuffle=False)
+    assert layer.stats()["rows"] == 2 and np.all(_vectors(layer, old.ravel()) == 0)
+    assert history.history["aged_rows"] == [2.0]
+    assert history.history["aged_evicted"] == [40.0]
+
+
+def test_weights_saved_with_2_ps_load_into_3_ps_and_without_a_cluster(strategy, tmp_path):
+    import keras
+    import kfit_ps
+
+    with strategy.scope():
+        layer = kfit_ps.layers.DynamicEmbedding(4, name="dyn")
+        model = _summing_model(layer, 4, keras.optimizers.Adam(0.05))
+    x = np.random.default_rng(0).integers(-10**12, 10**12, size=(64, 4))
+    model.fit(x, np.zeros(64), batch_size=4, epochs=1, verbose=0)
+    keys = _stored_keys(layer)  # Each worker reads its own shuffled copy: most ids, not all.
+    assert len(keys) > 100 and set(keys) <= set(x.ravel().tolist())
+    expected = _vectors(layer, keys)
+    weights = str(tmp_path / "t.weights.h5")
+    model.save_weights(weights)
+    vectors = keras.Model(model.inputs, layer.output)  # Without the Lambda: a plain .keras.
+    vectors.save(str(tmp_path / "t.keras"))
+    batch = np.array(keys[:40]).reshape(10, 4)
+    on_cluster = vectors.predict(batch, verbose=0)
+    served = keras.models.load_model(str(tmp_path / "t.keras"))  # In this process, no ps.
+    assert served.get_layer("dyn").table.shards[0].device == "/device:CPU:0"
+    np.testing.assert_array_equal(served.predict(batch, verbose=0), on_cluster)
+    np.testing.assert_array_equal(_vectors(served.get_layer("dyn"), keys), expected)
+    result = helpers.run_chief(f"""
+        os.environ["KFIT_PS_TABLE_CHUNK_ROWS"] = "7"
+        with kfit_ps.LocalCluster(num_workers=1, num_ps=3) as cluster:
+            strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+            with strategy.scope():
+                layer = kfit_ps.layers.DynamicEmbedding(4, name="dyn")
+                ids = keras.Input(shape=(4,), dtype="int64")
+                model = keras.Model(ids, layer(ids))
+            model.load_weights({weights!r})
+            keys = tf.constant({keys!r}, tf.int64)[:, None]
+            vectors = layer(keys, training=False)[:, 0].numpy()
+            sizes = [int(shard.values.size()) for shard in layer.table.shards]
+            report(vectors=vectors.tolist(), sizes=sizes,
+                   devices=[s.device for s in layer.table.shards])
+        os._exit(0)
+    """)
+    np.testing.assert_array_equal(np.array(result["vectors"], np.float32), expected)
+    assert sum(result["sizes"]) == len(keys) and min(result["sizes"]) > 0, result["sizes"]
+    assert len(set(result["devices"])) == 3
+
+
+def test_tf_train_checkpoint_saves_and_restores_tables(strategy, tmp_path):
+    import keras
+    import kfit_ps
+
+    with strategy.scope():
+        layer = kfit_ps.layers.DynamicEmbedding(2)
+        model = _summing_model(layer, 2, keras.optimizers.Adagrad(0.1))
+    model.train_on_batch(np.array([[1, 2]]), np.zeros(1))
+    before = _vectors(layer, [1, 2])
+    path = tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
+    model.train_on_batch(np.array([[1, 3]]), np.zeros(1))
+    assert not np.array_equal(_vectors(layer, [1, 2]), before)
+    tf.train.Checkpoint(model=model).read(path).expect_partial()
+    np.testing.assert_array_equal(_vectors(layer, [1, 2]), before)
+    assert np.all(_vectors(layer, [3]) == 0)
+
+
+def test_refusals_name_what_to_change(strategy):
+    import keras
+    import kfit_ps
+
+    with pytest.raises(ValueError, match="embeddings_initializer.*GlorotUniform"):
+        kfit_ps.layers.DynamicEmbedding(4, embeddings_initializer="glorot_uniform")
+    with pytest.raises(ValueError, match="capacity.*Received: capacity=0"):
+        kfit_ps.layers.DynamicEmbedding(4, capacity=0)
+    with strategy.scope():
+        model = _summing_model(kfit_ps.layers.DynamicEmbedding(2), 2, "rmsprop")
+    with pytest.raises(ValueError, match="SGD, Adagrad, Adam, AdamW.*RMSprop"):
+        model.fit(np.ones((4, 2), np.int64), np.zeros(4), verbose=0)
+    plain = _summing_model(kfit_ps.layers.DynamicEmbedding(2), 2, "sgd")
+    with pytest.raises(ValueError, match="training=True outside kfit_ps' training step"):
+        plain.fit(np.ones((4, 2), np.int64), np.zeros(4), verbose=0)
+    np.testing.assert_array_equal(plain.predict(np.ones((1, 2), np.int64), verbose=0), [0.0])
+
+
+def test_string_ids_outside_a_cluster():
+    import keras
+    import kfit_ps
+
+    layer = kfit_ps.layers.DynamicEmbedding(3, seed=1)
+    ids = keras.Input(shape=(2,), dtype="string")
+    model = keras.Model(ids, layer(ids))
+    out = model(tf.constant([["a", "b"]]))
+    assert out.shape == (1, 2, 3) and np.all(out.numpy() == 0)  # Unknown ids: the default.
+    keys = layer.table.shards[0]  # One local shard without a cluster.
+    assert len(layer.table.shards) == 1 and "CPU" in keys.device
+    with pytest.raises(ValueError, match="integer or string ids.*float32"):
+        layer(tf.constant([[1.5]]))
+
+
+def test_eviction_takes_a_row_without_a_count_first():
+    """A row whose count a racing eviction removed is not leaked: it goes first."""
+    import keras
+    import kfit_ps
+
+    layer = kfit_ps.layers.DynamicEmbedding(2, capacity=4)  # One local shard, slack 1.
+    layer.build()
+    table = layer.table
+    optimizer = keras.optimizers.SGD(0.1)
+    table.use_optimizer(optimizer)
+    shard = table.shards[0]
+    shard.values.insert(tf.constant([99], tf.int64), tf.constant([[1.0, 1.0]]))  # No count.
+    keys = tf.constant([1, 2, 3, 4, 5], tf.int64)
+    tf.function(lambda: table.update(0, keys, tf.ones([5, 2]), tf.constant([1, 2, 2, 2, 2],
+                                                                           tf.int64),
+                                     optimizer, 0.1, 7.0))()
+    stored = set(shard.values.export()[0].numpy().tolist())
+    assert stored == {2, 3, 4, 5}, stored  # 99 (no count), then 1 (the least seen).
+    assert int(shard.meta.size()) == 4
+    assert table.stats() == {"rows": 4, "admitted": 5, "evicted": 2, "peak_rows_per_shard": 6}
+
+
+def test_features_sharing_a_layer_get_their_own_rows(strategy):
+    import keras
+    import kfit_ps
+
+    with strategy.scope():
+        layer = kfit_ps.layers.DynamicEmbedding(3, name="shared")
+        inputs = {name: keras.Input(shape=(), dtype="int64", name=name) for name in "ab"}
+        vectors = layer(inputs)
+        assert set(vectors) == {"a", "b"} and tuple(vectors["a"].shape) == (None, 3)
+        out = keras.layers.Lambda(lambda v: keras.ops.sum(v["a"] + v["b"], axis=1))(vectors)
+        model = keras.Model(inputs, out)
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=lambda y, p: p)
+    from kfit_ps.embeddings import recording
+
+    with recording.Recorder() as recorder, tf.GradientTape() as tape:  # As a training step.
+        recorder.set_tape(tape)
+        layer({"a": tf.constant([5, 6]), "b": tf.constant([5, 5])}, training=True)
+    assert len(recorder.lookups) == layer.table.num_shards == 2  # One per ps, both features.
+    model.fit({"a": np.array([5, 6]), "b": np.array([5, 5])}, np.zeros(2), batch_size=2,
+              verbose=0, epochs=1)
+    a, b = (layer({k: tf.constant([5])}, training=False)[k].numpy()[0] for k in "ab")
+    assert layer.stats()["rows"] == 3 and not np.allclose(a, b)
+    # b's id 5 occurred twice in the batch of 2: gradient 1 per element; a's once: 0.5.
+    served = keras.Model(inputs, vectors)
+    got = served.predict({"a": np.array([5]), "b": np.array([5])}, verbose=0)
+    np.testing.assert_allclose(got["a"][0], a)
+    np.testing.assert_allclose(got["b"][0], b)
+
+
+def test_model_checkpoint_and_backup_files_hold_the_tables(strategy, tmp_path):
+    import glob
+
+    import keras
+    import kfit_ps
+
+    with strategy.scope():
+        layer = kfit_ps.layers.DynamicEmbedding(3, name="dyn")
+        model = _summing_model(layer, 2, keras.optimizers.Adam(0.1))
+    callbacks = [
+        kfit_ps.callbacks.ModelCheckpoint(str(tmp_path / "ckpt.weights.h5"),
+                                          save_weights_only=True),
+        kfit_ps.callbacks.BackupAndRestore(str(tmp_path / "backup"), delete_checkpoint=False)]
+    x = np.arange(40).reshape(20, 2)
+    model.fit(x, np.zeros(20), batch_size=2, epochs=1, verbose=0, callbacks=callbacks)
+    keys = _stored_keys(layer)
+    expected = _vectors(layer, keys)
+    backups = glob.glob(str(tmp_path / "backup" / "*.weights.h5"))
+    assert len(backups) == 1
+    for path in (str(tmp_path / "ckpt.weights.h5"), backups[0]):
+        local = kfit_ps.layers.DynamicEmbedding(3, name="dyn")  # No cluster: one local shard.
+        ids = keras.Input(shape=(2,), dtype="int64")
+        out = keras.layers.Lambda(lambda e: keras.ops.sum(e, axis=(1, 2)))(local(ids))
+        copy = keras.Model(ids, out)
+        copy.compile(optimizer=keras.optimizers.Adam(0.1), loss=lambda y, p: p)
+        copy.load_weights(path)
+        np.testing.assert_array_equal(_vectors(local, keys), expected)
+        assert local.table.slot_names == ("m", "v")  # The slots came with the rows.
+
+
+def test_worker_read_evaluation_matches_the_shipped_path(strategy):
+    import keras
+    import kfit_ps
+
+    with strategy.scope():
+        layer = kfit_ps.layers.DynamicEmbedding(2)
+        model = _summing_model(layer, 2, keras.optimizers.Adagrad(0.5))
+    x = np.arange(64).reshape(32, 2)
+    model.fit(x, np.zeros(32), batch_size=4, epochs=1, verbose=0)
+
+    def dataset_fn(context):  # Finite, no `steps`: each shard read and evaluated on a worker.
+        return tf.data.Dataset.from_tensor_slices((x, np.zeros(32))).batch(4)
+
+    shipped = model.evaluate(x, np.zeros(32), batch_size=4, verbose=0)
+    worker_read = model.evaluate(kfit_ps.DatasetCreator(dataset_fn), verbose=0)
+    np.testing.assert_allclose(worker_read, shipped, rtol=1e-5)
+    assert shipped != 0  # Rows were trained: the sum of the vectors is not zero.
