@@ -249,7 +249,7 @@ def _eviction_child(args):
 
 def eviction(args, argv):
     r = child_process.measure(__file__, "eviction", argv)
-    print(f"{r['ids']:,d} distinct ids, capacity {args.capacity:,d} ({r['shard_capacity']:,d} "
+    print(f"{r['ids']:,d} ids streamed, capacity {args.capacity:,d} ({r['shard_capacity']:,d} "
           f"per ps, slack {r['slack']:,d}): most rows held on one ps {r['peak_rows_per_shard']:,d}"
           f" (bound {r['bound']:,d}); rows held at the end {r['rows']:,d}; evicted "
           f"{r['evicted']:,d}; {r['seconds']:.0f} s")
