@@ -229,6 +229,17 @@ def test_refusals_name_what_to_change(strategy):
         model = _summing_model(kfit_ps.layers.DynamicEmbedding(2), 2, "rmsprop")
     with pytest.raises(ValueError, match="SGD, Adagrad, Adam, AdamW.*RMSprop"):
         model.fit(np.ones((4, 2), np.int64), np.zeros(4), verbose=0)
+    class Custom(keras.Model):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    with strategy.scope():
+        ids = keras.Input(shape=(2,), dtype="int64")
+        custom = Custom(ids, kfit_ps.layers.DynamicEmbedding(2, name="own")(ids))
+        custom.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="overrides `train_step` and has DynamicEmbedding "
+                                         "layers \\('own'\\)"):
+        custom.fit(np.ones((4, 2), np.int64), np.zeros((4, 2, 2)), verbose=0)
     plain = _summing_model(kfit_ps.layers.DynamicEmbedding(2), 2, "sgd")
     with pytest.raises(ValueError, match="training=True outside kfit_ps' training step"):
         plain.fit(np.ones((4, 2), np.int64), np.zeros(4), verbose=0)

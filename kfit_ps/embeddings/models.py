@@ -12,20 +12,15 @@ def dynamic_layers(model):
 
 
 def prepare_training(model):
-    """Checks that `model` can train its dynamic tables and creates their slot tables.
+    """Checks the model's optimizer against its dynamic tables and creates their slot tables.
 
-    Raises ValueError naming the supported optimizers, or the need for Keras'
-    own `train_step`.
+    Raises ValueError naming the supported optimizers. (The fit loop checks
+    that the model keeps Keras' own `train_step`.)
     """
     layers = dynamic_layers(model)
     if not layers:
         return
     updates.slot_names(model.optimizer)  # The error names the supported optimizers.
-    if not _tf_compat.has_stock_train_step(model):
-        raise ValueError(
-            f"Model {model.name!r} overrides `train_step` and has DynamicEmbedding layers "
-            f"({', '.join(repr(layer.name) for layer in layers)}): their tables are updated by "
-            "kfit_ps' gradient step inside Keras' own train_step. Remove the override.")
     for layer in layers:
         if layer.table is not None:
             layer.use_optimizer(model.optimizer)

@@ -110,6 +110,11 @@ class DynamicTable(tf.Module):
 
     # Reads ---------------------------------------------------------------------------------
 
+    def _read(self, shard, keys):
+        """(rows of `keys` in `shard`, NaN where missing; whether each was found)."""
+        rows = tf.reshape(shard.values.lookup(keys), [-1, self.dim])
+        return rows, tf.logical_not(tf.math.is_nan(rows[:, 0]))
+
     def initial_rows(self, keys):
         return hashing.initial_rows(keys, self.dim, *self.initializer, self.seed)
 
@@ -121,8 +126,7 @@ class DynamicTable(tf.Module):
         training step), else zeros (the default vector).
         """
         with tf.device(self.shards[index].device):
-            rows = tf.reshape(self.shards[index].values.lookup(keys), [-1, self.dim])
-        found = tf.logical_not(tf.math.is_nan(rows[:, 0]))
+            rows, found = self._read(self.shards[index], keys)
         fallback = self.initial_rows(keys) if fresh else tf.zeros_like(rows)
         return tf.where(found[:, None], rows, fallback)
 
@@ -134,6 +138,8 @@ class DynamicTable(tf.Module):
         `keys` are unique; `gradients` their summed gradient rows; `counts`
         how often each occurred in the batch.
         """
+        if self.slot_names is None:
+            raise RuntimeError("DynamicTable.update before use_optimizer()")
         shard = self.shards[index]
         keys = tf.reshape(keys, [-1])  # Shapes are lost in the packed transfer.
         gradients = tf.reshape(gradients, [-1, self.dim])
@@ -142,13 +148,10 @@ class DynamicTable(tf.Module):
         meta = tf.reshape(shard.meta.lookup(keys), [-1, 2])
         seen = meta[:, 0] + counts
         shard.meta.insert(keys, tf.stack([seen, tf.fill(tf.shape(seen), step_)], axis=1))
-        rows = tf.reshape(shard.values.lookup(keys), [-1, self.dim])
-        found = tf.logical_not(tf.math.is_nan(rows[:, 0]))
+        rows, found = self._read(shard, keys)
         base = tf.where(found[:, None], rows, self.initial_rows(keys))
         trained = found if self.min_count > 1 else tf.ones_like(found)
         admitted = tf.logical_or(found, seen >= self.min_count)
-        if self.slot_names is None:
-            raise RuntimeError("DynamicTable.update before use_optimizer()")
         if self.slot_names:
             slots = tf.reshape(shard.slots.lookup(keys), [-1, self.dim * len(self.slot_names)])
             fresh = updates.initial_slots(optimizer, tf.size(keys), self.dim)
@@ -198,8 +201,7 @@ class DynamicTable(tf.Module):
                      + tf.cast(meta[:, 1], tf.float64) / tf.cast(step + 1, tf.float64))
             score = tf.where(old, tf.constant(-1.0, tf.float64), score)
             victims = tf.gather(keys, tf.math.top_k(-score, excess).indices)
-            held = tf.math.count_nonzero(
-                tf.logical_not(tf.math.is_nan(shard.values.lookup(victims)[:, 0])))
+            held = tf.math.count_nonzero(self._read(shard, victims)[1])
             shard.meta.remove(victims)
             shard.values.remove(victims)
             if shard.slots is not None:

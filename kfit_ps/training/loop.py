@@ -92,17 +92,31 @@ def prepare(model, strategy, element_spec, method):
         else:
             _tf_compat.symbolic_build(model, element_spec)
     _check_placement(model, method)
-    if method in _TRAINING and sharded_updates.has_sharded_variables(model):
-        if not _tf_compat.has_stock_train_step(model):
-            raise ValueError(
-                f"Model {model.name!r} overrides `train_step` and has sharded variables "
-                "(variable_partitioner). kfit_ps trains sharded variables with its own gradient "
-                "step inside Keras' train_step. Remove the override, or take gradients with "
-                "respect to `kfit_ps.shards(variable)` and create the model without a "
-                "variable_partitioner.")
-        sharded_updates.check_optimizer(model)
     if method in _TRAINING:
+        _check_gradient_step(model)
         embeddings.prepare_training(model)
+
+
+def _check_gradient_step(model):
+    """Refuses a `train_step` override (and optimizer options) kfit_ps' gradient step needs.
+
+    Sharded variables and dynamic embedding tables are updated only by
+    kfit_ps' gradient step inside Keras' own `train_step`.
+    """
+    sharded = sharded_updates.has_sharded_variables(model)
+    dynamic = embeddings.dynamic_layers(model)
+    if (sharded or dynamic) and not _tf_compat.has_stock_train_step(model):
+        owners = (["sharded variables (variable_partitioner)"] if sharded else []) + (
+            [f"DynamicEmbedding layers ({', '.join(repr(layer.name) for layer in dynamic)})"]
+            if dynamic else [])
+        alternative = (", or take gradients with respect to `kfit_ps.shards(variable)` and "
+                       "create the model without a variable_partitioner" if not dynamic else "")
+        raise ValueError(
+            f"Model {model.name!r} overrides `train_step` and has {' and '.join(owners)}. "
+            "kfit_ps updates them with its own gradient step inside Keras' train_step. Remove "
+            f"the override{alternative}.")
+    if sharded:
+        sharded_updates.check_optimizer(model)
 
 
 def _check_optimizer(model):
