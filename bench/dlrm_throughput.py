@@ -22,7 +22,9 @@ and their medians.
 """
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -173,10 +175,11 @@ def add_arguments(parser):
 
 
 def write_data(args):
-    """Criteo-shaped files in a fresh directory (once per run of the script)."""
+    """Criteo-shaped files in a fresh directory (once per run of the script; removed at exit)."""
     from kfit_ps.data import criteo
 
     args.data_dir = tempfile.mkdtemp(prefix="kfit_ps_dlrm_bench_")
+    atexit.register(shutil.rmtree, args.data_dir, ignore_errors=True)
     criteo.generate(args.data_dir, args.rows, _spec(args), files=4, seed=0)
     return args.data_dir
 

@@ -26,7 +26,9 @@ Three measurements, each in fresh processes on a `LocalCluster` (2 workers,
 """
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -51,7 +53,6 @@ def _rss_mb():
 
 def _quality_child(args):
     import keras
-    import numpy as np
     import tensorflow as tf
 
     import kfit_ps
@@ -116,6 +117,7 @@ def quality(args, argv):
     from kfit_ps.data import criteo
 
     args.data_dir = tempfile.mkdtemp(prefix="kfit_ps_dynamic_bench_")
+    atexit.register(shutil.rmtree, args.data_dir, ignore_errors=True)
     criteo.generate(args.data_dir, args.rows, criteo.CriteoSpec(scale=args.scale),
                     files=5, seed=0, raw_ids=True, growth=args.growth)
     results = {kind: [] for kind in EMBEDDINGS}

@@ -19,6 +19,7 @@ and `LocalCluster` passes the environment on to its servers.
 | `KFIT_PS_RUN_DIR` | unset | set by `kfit-ps run` in the chief: the run directory (logs, `tasks.json`) |
 | `KFIT_PS_ISOLATED` | unset | set by `kfit-ps quickstart` / `kfit-ps run --isolated` in the private network namespace they re-execute in |
 | `KFIT_PS_PACKED_READ_MAX_BYTES` | `262144` | unsharded variables up to this size are fetched whole, in one packed transfer per ps, at the start of each step (`kfit_ps.training.transfers`); 0 turns packed reads off |
+| `KFIT_PS_SNAPSHOT_READ_MAX_BYTES` | `33554432` | in a sharded evaluation (worker-read, exact), variables up to this size, sharded ones included, are read whole once per evaluated shard, in one packed transfer per ps; larger ones keep their per-batch reads and lookups; 0 turns this off |
 | `KFIT_PS_METRIC_RESULTS_PENDING` | `1024` | finished functions' metric results the coordinator keeps before adding the oldest to its running sum (bounds its memory in long epochs) |
 | `KFIT_PS_TABLE_CHUNK_ROWS` | `65536` | rows of a dynamic table that saving (`save_weights`, `.keras`) fetches from a ps at a time, and loading sends at a time (`kfit_ps.embeddings`) |
 | `KFIT_PS_PROGRESS_INTERVAL` | `0.25` | seconds between progress-bar updates during `fit` (no synchronisation) |
@@ -51,6 +52,7 @@ WORKERS_ENV = "KFIT_PS_WORKERS"
 PS_ENV = "KFIT_PS_PS"
 TF_LOGS_ENV = "KFIT_PS_TF_LOGS"
 PACKED_READ_MAX_BYTES_ENV = "KFIT_PS_PACKED_READ_MAX_BYTES"
+SNAPSHOT_READ_MAX_BYTES_ENV = "KFIT_PS_SNAPSHOT_READ_MAX_BYTES"
 METRIC_RESULTS_PENDING_ENV = "KFIT_PS_METRIC_RESULTS_PENDING"
 TABLE_CHUNK_ROWS_ENV = "KFIT_PS_TABLE_CHUNK_ROWS"
 
@@ -60,6 +62,7 @@ DEFAULT_PROGRESS_INTERVAL = 0.25
 DEFAULT_EVALUATOR_IDLE_TIMEOUT = 1800.0
 DEFAULT_WORKER_TIMEOUT = 300.0
 DEFAULT_PACKED_READ_MAX_BYTES = 256 << 10
+DEFAULT_SNAPSHOT_READ_MAX_BYTES = 32 << 20
 DEFAULT_METRIC_RESULTS_PENDING = 1024
 DEFAULT_TABLE_CHUNK_ROWS = 1 << 16
 
@@ -126,6 +129,11 @@ def _env_int_at_least(name, default, minimum):
 def packed_read_max_bytes():
     """Bytes up to which a variable is read in the step's packed read (0: none)."""
     return _env_int_at_least(PACKED_READ_MAX_BYTES_ENV, DEFAULT_PACKED_READ_MAX_BYTES, 0)
+
+
+def snapshot_read_max_bytes():
+    """Bytes up to which a variable is read once per shard of a sharded evaluation (0: none)."""
+    return _env_int_at_least(SNAPSHOT_READ_MAX_BYTES_ENV, DEFAULT_SNAPSHOT_READ_MAX_BYTES, 0)
 
 
 def metric_results_pending():

@@ -91,6 +91,51 @@ def test_shardable_dataset_and_validation_are_exact(strategy):
     np.testing.assert_allclose(history.history["val_loss"][-1], expected["loss"], rtol=1e-5)
 
 
+def test_sharded_tables_are_read_once_per_shard_and_evaluate_exactly(cluster, monkeypatch):
+    """A sharded evaluation reads a snapshot of every variable, sharded tables included,
+    at the start of each shard: the same results as per-batch reads and lookups."""
+    import keras
+    import tensorflow as tf
+
+    import kfit_ps
+    from kfit_ps import constants
+    from kfit_ps.training import transfers
+
+    strategy = kfit_ps.ParameterServerStrategy(
+        cluster.cluster_resolver,
+        variable_partitioner=kfit_ps.partitioners.FixedShardsPartitioner(2))
+    with strategy.scope():  # default initializers, a table of 2 shards on 2 ps tasks
+        model = keras.Sequential([keras.Input((3,), dtype="int64"),
+                                  keras.layers.Embedding(101, 4), keras.layers.Flatten(),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer="adam", loss="mse", metrics=["mae", helpers.counting_metric()])
+    table = model.layers[0].embeddings
+    assert len(kfit_ps.shards(table)) == 2
+    whole = transfers.PackedReads(model.variables, max_bytes=1 << 20, sharded=True)
+    assert {v.path for v in whole.variables} == {v.path for v in model.variables}
+    assert table.path not in {v.path for v in transfers.PackedReads(model.variables).variables}
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 101, (999, 3)).astype("int64")
+    y = rng.normal(size=(999, 1)).astype("float32")
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)  # trained, not initial, values
+
+    reference = keras.Sequential([keras.Input((3,), dtype="int64"),
+                                  keras.layers.Embedding(101, 4), keras.layers.Flatten(),
+                                  keras.layers.Dense(1)])
+    reference.compile(loss="mse", metrics=["mae", helpers.counting_metric()])
+    reference.set_weights(model.get_weights())
+    expected = reference.evaluate(x, y, batch_size=10, verbose=0, return_dict=True)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(10)
+    for setting in (str(constants.DEFAULT_SNAPSHOT_READ_MAX_BYTES), "0"):  # snapshot, per batch
+        monkeypatch.setenv(constants.SNAPSHOT_READ_MAX_BYTES_ENV, setting)
+        model.test_function = None  # functions are built (and read the setting) per compile
+        logs = model.evaluate(kfit_ps.shardable(dataset, num_shards=4), return_dict=True,
+                              verbose=0)
+        assert logs["batches"] == 100 == expected["batches"], setting
+        np.testing.assert_allclose(logs["loss"], expected["loss"], rtol=1e-5)
+        np.testing.assert_allclose(logs["mae"], expected["mae"], rtol=1e-5)
+
+
 def test_sharded_evaluation_rejects_steps_predict_and_infinite_data(strategy):
     import kfit_ps
 

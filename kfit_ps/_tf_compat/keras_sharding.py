@@ -26,7 +26,9 @@ under a kfit_ps scope only:
    any number of shards.
 4. **Lookups.** `ops.take(table, ids, axis=0)` (what `keras.layers.Embedding`
    does) would concatenate every shard each step. Here it becomes one gather
-   per shard, on that shard's ps task, so only the touched rows travel.
+   per shard, on that shard's ps task, so only the touched rows travel
+   (unless the active `CachedReadScope` holds the whole value: then the
+   gather runs on the worker).
 
 5. **Dense optimizer updates and weight decay.** For optimizers without a
    sparse path (`kfit_ps.training.sharded_updates`), the Keras optimizer's
@@ -57,6 +59,7 @@ from keras.src.optimizers import base_optimizer as _base_optimizer
 from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
 from kfit_ps._tf_compat.keras_variables import is_kfit_variable, mark_kfit_variable, storage
+from kfit_ps._tf_compat.read_cache import cached_read
 from kfit_ps._tf_compat.sharded_init import shard_value
 from kfit_ps._tf_compat.versions import check_versions
 
@@ -163,7 +166,8 @@ def _add_variable_from_reference(stock):
 def _take(stock):
     def take(x, indices, axis=None):
         sharded = sharded_storage(x) if isinstance(x, KerasVariable) else None
-        if sharded is None or axis != 0 or isinstance(indices, tf.SparseTensor):
+        if (sharded is None or axis != 0 or isinstance(indices, tf.SparseTensor)
+                or cached_read(x)):  # A whole value already on this worker.
             return stock(x, indices, axis=axis)
         ids = tf.convert_to_tensor(indices)
         if not ids.dtype.is_integer:

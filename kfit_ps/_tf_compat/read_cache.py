@@ -5,8 +5,11 @@ transfer (one gRPC call per variable per step). kfit_ps instead fetches the
 model's small variables in one packed transfer per ps
 (`kfit_ps.training.transfers`) and runs the forward pass in a
 `CachedReadScope`: Keras' `Variable.value` then returns the fetched tensor.
-Writes (batch-norm statistics, seed state) still go to the variable's real
-storage, and later reads in the same scope see the written value.
+A sharded variable's cached value is its whole value (a sharded evaluation's
+snapshot), and `ops.take` on it gathers from that value on the worker
+(`keras_sharding`). Writes (batch-norm statistics, seed state) still go to
+the variable's real storage, and later reads in the same scope see the
+written value.
 
 It nests inside a `LocalStateScope` (metric state): metric variables stay
 local to that scope, and losses added by layers are collected here. It
@@ -35,6 +38,10 @@ class CachedReadScope(LocalStateScope):
         self._parent = parent
         return super().__enter__()
 
+    def caches(self, variable):
+        """Whether reads of `variable` come from this scope's values."""
+        return id(variable) in self._cache
+
     def is_local(self, variable):
         return self._parent is not None and self._parent.is_local(variable)
 
@@ -53,3 +60,9 @@ class CachedReadScope(LocalStateScope):
         if self._parent is not None:
             return self._parent.get_current_value(variable)
         return getattr(variable, "_value", None)
+
+
+def cached_read(variable):
+    """Whether the active scope answers reads of `variable` from a fetched value."""
+    scope = get_stateless_scope()
+    return isinstance(scope, CachedReadScope) and scope.caches(variable)

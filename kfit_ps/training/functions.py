@@ -21,7 +21,7 @@ previous step's writes to it.
 
 import tensorflow as tf
 
-from kfit_ps import _tf_compat, embeddings
+from kfit_ps import _tf_compat, constants, embeddings
 from kfit_ps.training import sharded_updates, transfers
 from kfit_ps.training.metric_state import MetricState
 
@@ -97,13 +97,28 @@ class ScheduledFunctions:
 
     def test_shard(self, num_shards, policy):
         """`fn(dataset, shard) -> packed metric state`: every batch of one shard of the
-        worker's finite dataset, split by `policy` (`evaluation`'s sharded path)."""
-        strategy, metric_state = self._strategy, self.metric_state
+        worker's finite dataset, split by `policy` (`evaluation`'s sharded path).
+
+        Nothing updates the variables while an evaluation runs, so the function
+        reads them once, at its start (variables up to
+        `KFIT_PS_SNAPSHOT_READ_MAX_BYTES`, sharded tables included): the shard
+        is evaluated against one snapshot, and its batches make no call to a ps.
+        """
+        strategy, metric_state, model = self._strategy, self.metric_state, self._model
 
         def build():
-            step = self._reading_step(self._model.test_step)
+            reads = transfers.PackedReads(model.variables, constants.snapshot_read_max_bytes(),
+                                          sharded=True)
+            whole = {id(v) for v in reads.variables}
+            small = transfers.PackedReads([v for v in model.variables if id(v) not in whole])
 
             def run(dataset, shard):
+                snapshot = reads.read()
+
+                def step(data):
+                    with _tf_compat.CachedReadScope(snapshot + small.read()):
+                        return model.test_step(data)
+
                 state = tuple(metric_state.zeros())
                 for batch in _tf_compat.shard_dataset(dataset, num_shards, shard, policy):
                     state = tuple(metric_state.run_replica(strategy, step, batch, list(state)))

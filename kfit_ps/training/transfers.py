@@ -11,7 +11,10 @@ time answering them. So a training step moves values in bundles:
   fetched in one transfer per ps and dtype, and split on the worker; the
   forward pass reads them from there (`_tf_compat.CachedReadScope`). Larger
   variables (an unsharded embedding table) and sharded tables keep their
-  per-use reads, so only the rows a batch touches move.
+  per-use reads, so only the rows a batch touches move. A sharded evaluation
+  reads every variable of at most `KFIT_PS_SNAPSHOT_READ_MAX_BYTES`, sharded
+  tables included, once per evaluated shard instead (nothing changes them
+  while it runs), so its batches make no call to a ps at all.
 - **Gradients** (`Outbox`): every gradient bound for a ps (dense, or the
   rows and ids of an embedding's gradient) is packed on the worker and sent
   in one transfer per dtype; the update then runs on the ps from there.
@@ -38,37 +41,48 @@ def _is_ps_device(device):
 
 
 class PackedReads:
-    """Whole-value reads of a model's small variables, one transfer per ps and dtype."""
+    """Whole-value reads of a model's small variables, one transfer per ps and dtype.
 
-    def __init__(self, variables, max_bytes=None):
+    `sharded=True` also reads sharded variables of at most `max_bytes` whole:
+    each shard is read on its ps with that ps' other variables, and the
+    shards are joined on the worker (a sharded evaluation's snapshot).
+    """
+
+    def __init__(self, variables, max_bytes=None, sharded=False):
         max_bytes = constants.packed_read_max_bytes() if max_bytes is None else max_bytes
-        self._groups = {}  # (device, dtype) -> [variables]
+        self._variables = []  # [(variable, [its tf.Variable parts])]
+        self._groups = {}  # (device, dtype) -> [parts]
         for variable in variables:
-            inner = _tf_compat.storage(variable)
-            if (inner is None or _tf_compat.sharded_storage(variable) is not None
-                    or not _tf_compat.is_kfit_variable(variable)
-                    or not _is_ps_device(inner.device) or not inner.shape.is_fully_defined()):
+            if not _tf_compat.is_kfit_variable(variable) or (
+                    not sharded and _tf_compat.sharded_storage(variable) is not None):
                 continue
-            if inner.shape.num_elements() * inner.dtype.size > max_bytes:
+            parts = _tf_compat.shards(variable)
+            if any(p is None or not _is_ps_device(p.device) or not p.shape.is_fully_defined()
+                   for p in parts):
                 continue
-            self._groups.setdefault((inner.device, inner.dtype), []).append(variable)
+            if sum(p.shape.num_elements() * p.dtype.size for p in parts) > max_bytes:
+                continue
+            self._variables.append((variable, parts))
+            for part in parts:
+                self._groups.setdefault((part.device, part.dtype), []).append(part)
 
     @property
     def variables(self):
-        return [v for group in self._groups.values() for v in group]
+        return [variable for variable, _ in self._variables]
 
     def read(self):
         """[(variable, tensor on this worker)], inside a traced function."""
-        pairs = []
-        for (device, _), variables in self._groups.items():
-            inners = [_tf_compat.storage(v) for v in variables]
+        values = {}  # id(part) -> its value on this worker
+        for (device, _), parts in self._groups.items():
             with tf.device(device):  # Concatenated on the ps: one tensor leaves it.
-                packed = _flat([inner.read_value() for inner in inners])
-            sizes = [inner.shape.num_elements() for inner in inners]
+                packed = _flat([part.read_value() for part in parts])
+            sizes = [part.shape.num_elements() for part in parts]
             pieces = tf.split(packed, sizes) if len(sizes) > 1 else [packed]
-            pairs += [(v, tf.reshape(piece, inner.shape))
-                      for v, inner, piece in zip(variables, inners, pieces)]
-        return pairs
+            values.update((id(part), tf.reshape(piece, part.shape))
+                          for part, piece in zip(parts, pieces))
+        return [(variable, values[id(parts[0])] if len(parts) == 1
+                 else tf.concat([values[id(p)] for p in parts], axis=0))
+                for variable, parts in self._variables]
 
 
 def send(device, parts):
