@@ -75,12 +75,17 @@ class ScheduledFunctions:
 
         return step
 
-    def _reading_step(self, step):
-        """`step` (test or predict) with the model's small variables read in packed transfers."""
-        reads = transfers.PackedReads(self._model.variables)
+    def _reading_step(self, step, snapshot=None):
+        """`step` (test or predict) with the model's small variables read in packed transfers.
 
-        def run(data):
-            with _tf_compat.CachedReadScope(reads.read()):
+        `snapshot`: a `PackedReads` whose values the caller read once (`run(data,
+        snapshot_values)`); the variables it holds are not read again per call.
+        """
+        held = {id(v) for v in snapshot.variables} if snapshot is not None else set()
+        reads = transfers.PackedReads([v for v in self._model.variables if id(v) not in held])
+
+        def run(data, snapshot_values=()):
+            with _tf_compat.CachedReadScope(list(snapshot_values) + reads.read()):
                 return step(data)
 
         return run
@@ -107,17 +112,15 @@ class ScheduledFunctions:
         strategy, metric_state, model = self._strategy, self.metric_state, self._model
 
         def build():
-            reads = transfers.PackedReads(model.variables, constants.snapshot_read_max_bytes(),
-                                          sharded=True)
-            whole = {id(v) for v in reads.variables}
-            small = transfers.PackedReads([v for v in model.variables if id(v) not in whole])
+            snapshot = transfers.PackedReads(model.variables,
+                                             constants.snapshot_read_max_bytes(), sharded=True)
+            reading_step = self._reading_step(model.test_step, snapshot)
 
             def run(dataset, shard):
-                snapshot = reads.read()
+                values = snapshot.read()
 
                 def step(data):
-                    with _tf_compat.CachedReadScope(snapshot + small.read()):
-                        return model.test_step(data)
+                    return reading_step(data, values)
 
                 state = tuple(metric_state.zeros())
                 for batch in _tf_compat.shard_dataset(dataset, num_shards, shard, policy):
