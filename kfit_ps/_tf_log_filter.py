@@ -5,8 +5,9 @@ import nothing. (`kfit-ps run` also imports `is_tf_log_line` for the chief's
 output.) Its input is
 the chief's standard error (see `kfit_ps.tf_logs`). It drops TensorFlow's
 C++ INFO, WARNING and ERROR lines (`I0000 00:00:... file.cc:12] ...`, absl's
-"All log messages before absl::InitializeLog()" notice and the known
-continuation lines of a dropped message) and passes everything else through
+"All log messages before absl::InitializeLog()" notice, the known
+continuation lines of a dropped message, and the protocol buffer a dropped
+message announces with "goo.gle/debug...", up to its closing blank line) and passes everything else through
 at once, partial lines too (a progress bar on stderr). FATAL lines are kept.
 It ignores SIGINT, SIGTERM and SIGHUP and exits when every writer has closed
 its end, so the last words of a crashed or interrupted program still get
@@ -26,12 +27,23 @@ _CONTINUATIONS = (b"To enable the following instructions:", b"Additional GRPC er
                   b":UNKNOWN:", b"This could happen if the remote target",
                   b"\tAdditional GRPC error information")
 _SEGMENT_END = re.compile(rb"(?<=[\r\n])")
+# A message that ends so is followed by a protocol buffer in text form and a blank line
+# (tf.data's "Found an unshardable source dataset" carries a whole dataset node). Protobuf
+# varies the marker from run to run: goo.gle/debugproto, goo.gle/debugonly, ...
+_PROTO_FOLLOWS = re.compile(rb"goo\.gle/debug\w*\s*$")
+IN_PROTO = "in_proto"  # Truthy: the line was dropped, and the announced proto goes on.
 
 
 def is_tf_log_line(line, previous_dropped=False):
-    """Whether `line` (bytes) is one of TensorFlow's C++ log lines (or a continuation)."""
+    """Whether `line` (bytes) is one of TensorFlow's C++ log lines (or a continuation).
+
+    `previous_dropped`: this function's result for the line before. The result
+    is truthy for a dropped line (`IN_PROTO` while an announced proto goes on).
+    """
+    if previous_dropped == IN_PROTO:
+        return True if not line.strip() else IN_PROTO
     if _HEADER.match(line) or line.startswith(_ABSL_NOTICE):
-        return True
+        return IN_PROTO if _PROTO_FOLLOWS.search(line) else True
     return previous_dropped and line.startswith(_CONTINUATIONS)
 
 
@@ -66,7 +78,7 @@ def main():
             dropped = is_tf_log_line(segment, dropped)
             if not dropped:
                 out.write(segment)
-        if pending and not _could_become_dropped(pending):
+        if pending and dropped != IN_PROTO and not _could_become_dropped(pending):
             out.write(pending)  # A partial line that cannot be a log line: now, not later.
             pending = b""
         out.flush()

@@ -121,6 +121,10 @@ def test_filtered_stderr_keeps_tracebacks_and_partial_lines():
     code = ("import sys, kfit_ps\n"
             "sys.stderr.write('progress 1/2\\r'); sys.stderr.flush()\n"
             "import os; os.write(2, b'I0000 00:00:17.5  12 port.cc:153] dropped\\n')\n"
+            "os.write(2, b'E0000 00:00:17.6  12 meta_optimizer.cc:967] tf_auto_shard failed: "
+            "Found an unshardable source dataset: goo.gle/debugproto  \\nname: "
+            "\"TensorSliceDataset/_2\"\\nattr {\\n  key: \"k\"\\n}\\n\\n')\n"
+            "sys.stderr.write('after the proto\\n'); sys.stderr.flush()\n"
             "raise ValueError('the user sees this')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, env=user_env(),
                           cwd=helpers.ROOT, timeout=120)
@@ -129,6 +133,7 @@ def test_filtered_stderr_keeps_tracebacks_and_partial_lines():
     assert "progress 1/2\r" in err
     assert "Traceback (most recent call last)" in err
     assert "ValueError: the user sees this" in err
+    assert "after the proto" in err and "TensorSliceDataset" not in err and "key:" not in err
     assert foreign_lines(err) == [], err
 
 
