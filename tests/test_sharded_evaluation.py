@@ -72,6 +72,28 @@ def test_dataset_creator_without_steps_is_evaluated_whole_on_the_workers(strateg
     assert logs["batches"] == 63
 
 
+def test_a_shard_loops_over_its_batches_in_the_functions_own_graph(strategy):
+    """The model's step runs in a while loop of the shard's function, which TensorFlow
+    optimises once per worker; a `Dataset.reduce` (what autograph makes of a loop over a
+    dataset) would instantiate and optimise the whole model again for every shard."""
+    import tensorflow as tf
+
+    import kfit_ps
+    from kfit_ps.training import functions
+
+    _, _, dataset = _data()
+    model = _model(strategy)
+    logs = model.evaluate(kfit_ps.shardable(dataset, num_shards=4), return_dict=True, verbose=0)
+    assert logs["batches"] == 63
+    shard_fn = functions.for_model(model, strategy, "test_function").test_shard(
+        4, tf.data.experimental.AutoShardPolicy.DATA)
+    graph = shard_fn.get_concrete_function(tf.data.DatasetSpec(dataset.element_spec),
+                                           tf.TensorSpec([], tf.int64)).graph
+    op_types = {op.type for op in graph.get_operations()}
+    assert "ReduceDataset" not in op_types
+    assert op_types & {"While", "StatelessWhile"}
+
+
 def test_shardable_dataset_and_validation_are_exact(strategy):
     import kfit_ps
 

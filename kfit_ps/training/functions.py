@@ -123,7 +123,10 @@ class ScheduledFunctions:
                     return reading_step(data, values)
 
                 state = tuple(metric_state.zeros())
-                for batch in _tf_compat.shard_dataset(dataset, num_shards, shard, policy):
+                # A loop over an iterator is a while loop of this function's graph, optimised
+                # once per worker; a loop over the dataset would be a `Dataset.reduce`, whose
+                # body (the whole model) TensorFlow instantiates and optimises again per call.
+                for batch in iter(_tf_compat.shard_dataset(dataset, num_shards, shard, policy)):
                     state = tuple(metric_state.run_replica(strategy, step, batch, list(state)))
                 return metric_state.pack(list(state))
 

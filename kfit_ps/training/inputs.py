@@ -55,6 +55,9 @@ class WorkerInput:
     finite: bool = False  # The dataset ends (evaluation can then be split in shards).
     sharded: bool = False  # Only sharded evaluation applies (`shardable(dataset)`).
     num_shards: int = None  # None: `default_num_shards`.
+    # The finite dataset `dataset_fn` built on the coordinator when adapted, kept to pick
+    # how a sharded evaluation splits it (`_tf_compat.shard_policy`) without building it again.
+    sample: object = dataclasses.field(default=None, compare=False, repr=False)
 
 
 class Shardable:
@@ -190,9 +193,10 @@ def adapt(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True, train
                         batch_size=batch_size)
         creator = as_dataset_creator(x)
         sample = creator(tf.distribute.InputContext())
+        finite = int(sample.cardinality()) != tf.data.INFINITE_CARDINALITY
         return WorkerInput(element_spec=sample.element_spec, dataset_fn=creator,
                            options=creator.input_options, num_shards=num_shards,
-                           finite=int(sample.cardinality()) != tf.data.INFINITE_CARDINALITY)
+                           finite=finite, sample=sample if finite and not training else None)
 
     if isinstance(x, tf.data.Dataset):
         _check_no_extra(arg, "tf.data.Dataset", y=y, sample_weight=sample_weight,
