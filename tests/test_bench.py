@@ -1,39 +1,160 @@
-"""The benchmark scripts run and report (timings are recorded in docs, never asserted)."""
+"""The benchmark scripts run and report (timings are recorded in docs, never asserted).
 
+Each script runs at a tiny size in its own process. Most of such a run is starting processes
+and TensorFlow, about one core's worth, so the scripts of the selected tests run two at a time
+(`_Scripts`) while the tests, in order, wait for theirs: the module takes about half the time
+of running them in turn.
+"""
+
+import concurrent.futures
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from tests import helpers
 
+SCRIPTS_AT_ONCE = 2
+
+# name: (the script and its arguments, `{out}` standing for the module's output folder; timeout).
+SCRIPTS = {
+    "fit_overhead": (["bench/fit_overhead.py", "--repeats", "1", "--epochs", "1", "--steps", "20",
+                      "--hidden", "16", "--json", "{out}/fit_overhead.json"], 600),
+    "embedding_scaling": (["bench/embedding_scaling.py", "--small-rows", "2000", "--large-rows",
+                           "40000", "--dim", "8", "--batch-size", "64", "--steps", "10", "--json",
+                           "{out}/embedding_scaling.json"], 900),
+    "dlrm_throughput": (["bench/dlrm_throughput.py", "--repeats", "1", "--steps", "10", "--rows",
+                         "3000", "--json", "{out}/dlrm.json", "--png", "{out}/dlrm.png"], 900),
+    "exact_evaluation": (["bench/exact_evaluation.py", "--repeats", "1", "--rows", "5000",
+                          "--files", "10", "--batch-size", "256", "--json",
+                          "{out}/exact_evaluation.json"], 900),
+    "long_run": (["bench/long_run.py", "--steps", "2500", "--interval", "0.1", "--pending", "50",
+                  "--json", "{out}/long_run.json"], 900),
+    "scaling": (["bench/scaling.py", "--workers", "1,2", "--ps", "1", "--steps", "10", "--rows",
+                 "3000", "--json", "{out}/scaling.json", "--png", "{out}/scaling.png"], 900),
+    "dynamic_embeddings_quality": (["bench/dynamic_embeddings.py", "--part", "quality",
+                                    "--repeats", "1", "--json", "{out}/quality.json", "--rows",
+                                    "3000", "--batch-size", "128"], 900),
+    "dynamic_embeddings_table_size": (["bench/dynamic_embeddings.py", "--part", "table_size",
+                                       "--repeats", "1", "--json", "{out}/table_size.json",
+                                       "--small", "1000", "--large", "20000", "--steps", "20"],
+                                      900),
+    "dynamic_embeddings_eviction": (["bench/dynamic_embeddings.py", "--part", "eviction",
+                                     "--repeats", "1", "--json", "{out}/eviction.json",
+                                     "--stream", "20000", "--capacity", "2000"], 900),
+}
+
+
+def _scripts_of(item):
+    """The scripts test `item` checks."""
+    if item.originalname == "test_dynamic_embeddings_parts_report":
+        return [f"dynamic_embeddings_{item.callspec.params['part']}"]
+    return {
+        "test_fit_overhead_runs_and_reports_a_ratio": ["fit_overhead"],
+        "test_embedding_scaling_runs_and_reports_all_four_figures": ["embedding_scaling"],
+        "test_dlrm_throughput_runs_all_three_contenders": ["dlrm_throughput"],
+        "test_exact_evaluation_counts_every_example_on_both_paths": ["exact_evaluation"],
+        "test_long_run_and_scaling_report": ["long_run", "scaling"],
+    }[item.originalname]
+
+
+class _Scripts:
+    """The selected tests' scripts, `SCRIPTS_AT_ONCE` at a time, in the tests' order.
+
+    Each runs in its own process group, which `close()` kills with whatever it started when a
+    test fails or the run is interrupted: nothing outlives the module.
+    """
+
+    def __init__(self, names, out):
+        self.out = out
+        self._lock = threading.Lock()
+        self._running = []
+        self._closed = False
+        self._pool = concurrent.futures.ThreadPoolExecutor(SCRIPTS_AT_ONCE)
+        self._runs = {name: self._pool.submit(self._run, name) for name in names}
+
+    def _run(self, name):
+        argv, timeout = SCRIPTS[name]
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"bench script {name} not run: the module is closing")
+            proc = subprocess.Popen(
+                [sys.executable, *(a.format(out=self.out) for a in argv)], cwd=helpers.ROOT,
+                env=helpers.chief_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True, start_new_session=True)
+            self._running.append(proc)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            stdout, stderr = proc.communicate()
+            stderr += f"\n[test_bench: killed after {timeout} s]"
+        finally:
+            with self._lock:
+                self._running.remove(proc)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+    def result(self, name):
+        """`name`'s finished process (`returncode`, `stdout`, `stderr`)."""
+        return self._runs[name].result()
+
+    def json(self, file_name):
+        with open(os.path.join(self.out, file_name)) as f:
+            return json.load(f)
+
+    def close(self):
+        with self._lock:
+            self._closed = True
+            for proc in self._running:
+                _kill_group(proc)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _kill_group(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def scripts(request, tmp_path_factory):
+    names = []
+    for item in request.session.items:
+        if item.module is request.module:
+            names += [n for n in _scripts_of(item) if n not in names]
+    runner = _Scripts(names, str(tmp_path_factory.mktemp("bench")))
+    try:
+        yield runner
+    finally:
+        runner.close()
+
+
+def _succeeded(scripts, name):
+    proc = scripts.result(name)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
 
 @pytest.mark.slow
-def test_fit_overhead_runs_and_reports_a_ratio(tmp_path):
-    out = tmp_path / "result.json"
-    proc = subprocess.run(
-        [sys.executable, "bench/fit_overhead.py", "--repeats", "1", "--epochs", "1",
-         "--steps", "20", "--hidden", "16", "--json", str(out)],
-        cwd=helpers.ROOT, env=helpers.chief_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_fit_overhead_runs_and_reports_a_ratio(scripts):
+    proc = _succeeded(scripts, "fit_overhead")
     assert "ratio kfit_ps/tf_keras: median" in proc.stdout
-    result = json.loads(out.read_text())
+    result = scripts.json("fit_overhead.json")
     assert result["median_ratio"] > 0
     assert result["iterations"] == {"kfit_ps": [40], "tf_keras": [40]}
 
 
 @pytest.mark.slow
-def test_embedding_scaling_runs_and_reports_all_four_figures(tmp_path):
-    out = tmp_path / "result.json"
-    proc = subprocess.run(
-        [sys.executable, "bench/embedding_scaling.py", "--small-rows", "2000", "--large-rows",
-         "40000", "--dim", "8", "--batch-size", "64", "--steps", "10", "--json", str(out)],
-        cwd=helpers.ROOT, env=helpers.chief_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_embedding_scaling_runs_and_reports_all_four_figures(scripts):
+    proc = _succeeded(scripts, "embedding_scaling")
     for fragment in ("1. table size:", "2. coordinator RSS", "3. examples/s", "4. bytes per step"):
         assert fragment in proc.stdout
-    result = json.loads(out.read_text())
+    result = scripts.json("embedding_scaling.json")
     assert result["rss"]["shards"] == [[20000, 8], [20000, 8]]
     assert result["small"]["iterations"] == result["large"]["iterations"] == 30
     assert result["tf_keras"]["iterations"] == 30
@@ -41,72 +162,45 @@ def test_embedding_scaling_runs_and_reports_all_four_figures(tmp_path):
 
 
 @pytest.mark.slow
-def test_dlrm_throughput_runs_all_three_contenders(tmp_path):
-    out = tmp_path / "result.json"
-    proc = subprocess.run(
-        [sys.executable, "bench/dlrm_throughput.py", "--repeats", "1", "--steps", "10",
-         "--rows", "3000", "--json", str(out), "--png", str(tmp_path / "dlrm.png")],
-        cwd=helpers.ROOT, env=helpers.chief_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+def test_dlrm_throughput_runs_all_three_contenders(scripts):
+    _succeeded(scripts, "dlrm_throughput")
+    result = scripts.json("dlrm.json")
     assert result["iterations"] == {"kfit_ps": [30], "tf_keras": [30], "keras": [30]}
     assert result["kfit_ps/tf_keras"]["median"] > 0 and result["kfit_ps/keras"]["median"] > 0
-    assert (tmp_path / "dlrm.png").read_bytes()[:4] == b"\x89PNG"
+    with open(os.path.join(scripts.out, "dlrm.png"), "rb") as f:
+        assert f.read(4) == b"\x89PNG"
 
 
 @pytest.mark.slow
-def test_exact_evaluation_counts_every_example_on_both_paths(tmp_path):
-    out = tmp_path / "result.json"
-    proc = subprocess.run(
-        [sys.executable, "bench/exact_evaluation.py", "--repeats", "1", "--rows", "5000",
-         "--files", "10", "--batch-size", "256", "--json", str(out)],
-        cwd=helpers.ROOT, env=helpers.chief_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+def test_exact_evaluation_counts_every_example_on_both_paths(scripts):
+    _succeeded(scripts, "exact_evaluation")
+    result = scripts.json("exact_evaluation.json")
     for name in ("shipped", "worker_read"):
         assert [run["examples"] for run in result["runs"][name]] == [5000.0]
     assert result["ratio_worker_read_over_shipped"]["median"] > 0
 
 
 @pytest.mark.slow
-def test_long_run_and_scaling_report(tmp_path):
-    out = tmp_path / "long.json"
-    proc = subprocess.run(
-        [sys.executable, "bench/long_run.py", "--steps", "2500", "--interval", "0.1",
-         "--pending", "50", "--json", str(out)],
-        cwd=helpers.ROOT, env=helpers.chief_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())["default"]
+def test_long_run_and_scaling_report(scripts):
+    _succeeded(scripts, "long_run")
+    result = scripts.json("long_run.json")["default"]
     assert result["steps"] == 2500
     assert result["first_steps_per_s"] > 0 and result["last_steps_per_s"] > 0
     assert result["rss_mb_end"] > 0
 
-    out = tmp_path / "scaling.json"
-    proc = subprocess.run(
-        [sys.executable, "bench/scaling.py", "--workers", "1,2", "--ps", "1", "--steps", "10",
-         "--rows", "3000", "--json", str(out), "--png", str(tmp_path / "scaling.png")],
-        cwd=helpers.ROOT, env=helpers.chief_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    _succeeded(scripts, "scaling")
+    rows = scripts.json("scaling.json")["rows"]
     assert [(r["workers"], r["ps"]) for r in rows] == [(1, 1), (2, 1)]
     assert rows[0]["efficiency"] == 1.0
-    assert (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG"
+    with open(os.path.join(scripts.out, "scaling.png"), "rb") as f:
+        assert f.read(4) == b"\x89PNG"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("part, extra", [
-    ("quality", ["--rows", "3000", "--batch-size", "128"]),
-    ("table_size", ["--small", "1000", "--large", "20000", "--steps", "20"]),
-    ("eviction", ["--stream", "20000", "--capacity", "2000"]),
-])
-def test_dynamic_embeddings_parts_report(tmp_path, part, extra):
-    out = tmp_path / "result.json"
-    proc = subprocess.run(
-        [sys.executable, "bench/dynamic_embeddings.py", "--part", part, "--repeats", "1",
-         "--json", str(out), *extra],
-        cwd=helpers.ROOT, env=helpers.chief_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+@pytest.mark.parametrize("part", ["quality", "table_size", "eviction"])
+def test_dynamic_embeddings_parts_report(scripts, part):
+    _succeeded(scripts, f"dynamic_embeddings_{part}")
+    result = scripts.json(f"{part}.json")
     if part == "quality":
         assert set(result["median_auc"]) == {"hashed", "dynamic", "unbounded", "full"}
         assert all(0 < auc <= 1 for auc in result["median_auc"].values())
