@@ -152,9 +152,14 @@ def test_age_evicts_ids_not_seen_for_max_age_steps(strategy):
     new = np.tile(np.array([[1, 2]]), (180, 1))  # Each worker: old ids first, then these.
     history = model.fit(np.concatenate([old, new]), np.zeros(200), batch_size=1, epochs=1,
                         verbose=0, shuffle=False)
-    assert layer.stats()["rows"] == 2 and np.all(_vectors(layer, old.ravel()) == 0)
+    stats = layer.stats()
+    assert stats["rows"] == 2 and np.all(_vectors(layer, old.ravel()) == 0)
     assert history.history["aged_rows"] == [2.0]
-    assert history.history["aged_evicted"] == [40.0]
+    assert history.history["aged_evicted"] == [stats["evicted"]]
+    # Every old id was evicted: once, or twice where one worker reached it more than max_age
+    # steps after the other had evicted it (the workers do not wait for each other, and a
+    # loaded host starts them seconds apart). The two fresh ids never were.
+    assert 40 <= stats["evicted"] <= 80 and stats["admitted"] >= 42
 
 
 def test_weights_saved_with_2_ps_load_into_3_ps_and_without_a_cluster(strategy, tmp_path):

@@ -55,8 +55,8 @@ class WorkerInput:
     finite: bool = False  # The dataset ends (evaluation can then be split in shards).
     sharded: bool = False  # Only sharded evaluation applies (`shardable(dataset)`).
     num_shards: int = None  # None: `default_num_shards`.
-    # The finite dataset `dataset_fn` built on the coordinator when adapted, kept to pick
-    # how a sharded evaluation splits it (`_tf_compat.shard_policy`) without building it again.
+    # For evaluation: the finite dataset `dataset_fn` built on the coordinator when adapted,
+    # kept to pick how it is split (`_tf_compat.shard_policy`) without building it again.
     sample: object = dataclasses.field(default=None, compare=False, repr=False)
 
 

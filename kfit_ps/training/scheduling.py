@@ -69,9 +69,7 @@ def per_worker_dataset(strategy, worker_input, num_shards):
             _tf_compat.with_shard_policy(worker_input.dataset, policy))
         return coordinator.create_per_worker_dataset(distributed).build(), policy
     creator = worker_input.dataset_fn
-    sample = worker_input.sample
-    policy = _tf_compat.shard_policy(
-        creator(tf.distribute.InputContext()) if sample is None else sample, num_shards)
+    policy = _tf_compat.shard_policy(worker_input.sample, num_shards)
     dataset = coordinator.create_per_worker_dataset(lambda: _tf_compat.with_shard_policy(
         creator(tf.distribute.InputContext()), policy)).build()
     return dataset, policy
