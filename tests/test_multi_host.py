@@ -70,6 +70,12 @@ def read_until(proc, text, lines, timeout=180):
     raise AssertionError(f"{text!r} not seen:\n" + "\n".join(lines[-40:]))
 
 
+def launcher_output(proc, lines):
+    """What a launcher that ended early printed: the lines read so far, then the rest."""
+    rest = proc.stdout.read() if proc.poll() is not None else ""
+    return f"launcher ended with {proc.returncode}:\n" + "\n".join(lines[-40:]) + "\n" + rest
+
+
 def read_tasks(path, timeout=10.0):
     """A launcher's tasks.json; it is rewritten in place, so a read may catch it empty."""
     deadline = time.monotonic() + timeout
@@ -117,8 +123,10 @@ def test_main_job_model_across_four_network_namespaces(hosts, tmp_path):
     assert 240 <= result["iterations"] <= 245  # 4 x 60 steps; at-least-once for the killed one
     assert result["batches"] == [60.0] * 4  # exactly-once metrics across the kill
     assert all(d.startswith("/job:ps/replica:0/task:0") for d in result["devices"])
-    restarted = read_tasks(tmp_path / "w0" / "tasks.json")
-    assert restarted["restarts"] == {"worker:0": 1} and restarted["tasks"]["worker:0"] != killed
+    restarted = read_tasks(tmp_path / "w0" / "tasks.json")  # written before "is back"
+    assert launchers["w0"].poll() is None, launcher_output(launchers["w0"], lines)
+    assert restarted["restarts"] == {"worker:0": 1}, (restarted, "\n".join(lines[-40:]))
+    assert restarted["tasks"]["worker:0"] != killed
     for proc in launchers.values():
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 128 + signal.SIGTERM
