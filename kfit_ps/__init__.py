@@ -45,7 +45,9 @@ __version__ = "0.1.0"
 
 _training.install()
 if _constants.launched():  # A chief of `kfit-ps run`: a ClusterError exits with status 75.
-    errors.exit_with_status_on_cluster_error()
+    from kfit_ps._tf_compat import remove_autograph_files as _remove_autograph_files
+
+    errors.exit_with_status_on_cluster_error(_remove_autograph_files)
 
 __all__ = [
     "ClusterConfig",

@@ -31,12 +31,13 @@ class ParameterServerError(ClusterError):
     """A ps task failed or restarted: the variables it held are gone."""
 
 
-def exit_with_status_on_cluster_error():
+def exit_with_status_on_cluster_error(before_exit=None):
     """Makes an uncaught `ClusterError` end the process with `EXIT_CLUSTER_ERROR`.
 
     Installed by `import kfit_ps` in a chief started by `kfit-ps run`, which
     restarts the job on that status (and treats any other failure as the
-    program's own, not retried). The traceback is printed as usual first.
+    program's own, not retried). The traceback is printed as usual first;
+    `before_exit()`, if given, runs last (the exit skips `atexit` hooks).
     """
     import os
     import sys
@@ -51,6 +52,8 @@ def exit_with_status_on_cluster_error():
                     stream.flush()
                 except (OSError, ValueError):
                     pass
+            if before_exit is not None:
+                before_exit()
             os._exit(EXIT_CLUSTER_ERROR)
 
     sys.excepthook = excepthook

@@ -52,9 +52,11 @@ def run_and_watch(args, timeout=300, env=None):
 
 
 @pytest.mark.slow
-def test_quickstart_main_job_learns_and_leaves_nothing():
+def test_quickstart_main_job_learns_and_leaves_nothing(tmp_path):
+    temp = tmp_path / "tmp"
+    temp.mkdir()
     proc, out, pids = run_and_watch([sys.executable, "-m", "kfit_ps.cli.main", "quickstart"],
-                                    env=user_env())
+                                    env=dict(user_env(), TMPDIR=str(temp)))
     assert proc.returncode == 0, out[-3000:]
     assert foreign_lines(out) == [], out[-3000:]  # only kfit_ps's and Keras' output
     assert len(pids) == 4  # 2 workers + 2 ps, real processes
@@ -65,6 +67,9 @@ def test_quickstart_main_job_learns_and_leaves_nothing():
     assert "Epoch 3/3" in out and "100/100" in out
     assert "Failed to remove function" not in out
     assert helpers.wait_for_no_servers(pids, timeout=10) == []
+    # Neither its data, nor server logs, nor autograph's generated sources (the exit skips the
+    # atexit hook that removes those).
+    assert sorted(p.name for p in temp.iterdir()) == []
 
 
 @pytest.mark.slow
@@ -76,6 +81,9 @@ def test_examples_quickstart_learns():
     assert len(pids) == 4
     assert "Failed to remove function" not in out
     assert helpers.wait_for_no_servers(pids, timeout=10) == []
+    # Neither its data, nor server logs, nor autograph's generated sources (the exit skips the
+    # atexit hook that removes those).
+    assert sorted(p.name for p in temp.iterdir()) == []
 
 
 @pytest.mark.slow

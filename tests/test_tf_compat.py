@@ -1,5 +1,8 @@
 """The private-API gate: every private TF/Keras use, checked against the installed versions."""
 
+import os
+import sys
+
 import keras
 import numpy as np
 import pytest
@@ -300,3 +303,17 @@ def test_named_hash_tables_and_pinned_variables(strategy):
 
     result = strategy.coordinator.schedule(read_in_tf_data)
     assert result.fetch() == 1.0
+
+
+def test_remove_autograph_files_removes_this_process_generated_sources():
+    def clipped(x):
+        if tf.reduce_sum(x) > 0:  # Python control flow on a tensor: autograph converts it
+            return x
+        return -x
+
+    assert float(tf.function(clipped)(tf.constant([1.0, -3.0]))[0]) == -1.0
+    generated = [m.__file__ for name, m in sys.modules.items()
+                 if name.startswith("__autograph_generated_file")]
+    assert generated and all(os.path.exists(path) for path in generated)
+    assert _tf_compat.remove_autograph_files() >= 1
+    assert not any(os.path.exists(path) for path in generated)

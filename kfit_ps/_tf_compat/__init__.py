@@ -9,6 +9,7 @@ one place, with a clear message.
 """
 
 from kfit_ps._tf_compat.versions import SUPPORTED, check_versions
+from kfit_ps._tf_compat.autograph_files import remove_autograph_files
 from kfit_ps._tf_compat.eager_context import (
     forget_servers,
     track_coordinator,
@@ -56,6 +57,7 @@ __all__ = [
     "shard_policy",
     "with_shard_policy",
     "apply_adam",
+    "remove_autograph_files",
     "can_fuse_adam",
     "build_for_predict",
     "check_versions",

@@ -242,7 +242,11 @@ def main(argv=None):
     sys.stderr.flush()
     if args.command in ("quickstart", "evaluator", "run"):
         # The servers are gone; skip interpreter teardown, where TensorFlow would try (and
-        # loudly fail) to unregister functions from them.
+        # loudly fail) to unregister functions from them. That skips autograph's clean-up too.
+        if "tensorflow" in sys.modules:
+            from kfit_ps import _tf_compat
+
+            _tf_compat.remove_autograph_files()
         os._exit(status)
     return status
 

@@ -38,6 +38,16 @@ class QuickstartConfig:
 
 def run(config=QuickstartConfig()):
     """Trains on a fresh LocalCluster (or `kfit-ps run`'s cluster); returns held-out metrics."""
+    import tensorflow as tf
+
+    workdir = tempfile.mkdtemp(prefix="kfit_ps_quickstart_")
+    try:
+        return _train_and_evaluate(config, workdir)
+    finally:
+        tf.io.gfile.rmtree(workdir)  # about 30 MB of generated data
+
+
+def _train_and_evaluate(config, workdir):
     import keras
 
     import kfit_ps
@@ -45,7 +55,6 @@ def run(config=QuickstartConfig()):
     from kfit_ps.jobs.dlrm import build_dlrm
 
     spec = criteo.CriteoSpec(scale=1e-3)
-    workdir = tempfile.mkdtemp(prefix="kfit_ps_quickstart_")
     train_files = criteo.generate(f"{workdir}/train", config.num_examples, spec, files=4,
                                   seed=config.seed)
     test_files = criteo.generate(f"{workdir}/test", 20_000, spec, files=1,
