@@ -257,3 +257,31 @@ def test_leaving_a_cluster_whose_coordinator_is_garbage_does_not_hang():
                           cwd=helpers.ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "left the cluster" in proc.stdout
+
+
+def test_a_server_process_loads_neither_keras_nor_the_training_stack(tmp_path):
+    """LocalCluster runs its servers by path: no kfit_ps `__init__`, no Keras (CPU at start)."""
+    from kfit_ps.cluster import local, server
+    from kfit_ps.cluster.spec import ClusterConfig
+
+    config = ClusterConfig(cluster={"chief": [f"localhost:{helpers.free_port()}"],
+                                    "worker": [f"localhost:{helpers.free_port()}"],
+                                    "ps": [f"localhost:{helpers.free_port()}"]},
+                           task_type="chief", task_index=0, source="test")
+    with open(tmp_path / "stderr", "w") as stderr:  # -X importtime: pages of it
+        proc = helpers.popen([sys.executable, "-X", "importtime", local._SERVER_SCRIPT,
+                              config.to_tf_config("ps", 0), str(os.getpid()), "0",
+                              str(tmp_path / "ps-0.log")],
+                             stdout=subprocess.PIPE, stderr=stderr, text=True)
+    try:
+        ready = proc.stdout.readline()
+    finally:
+        proc.kill()
+        proc.wait()
+    imported = {line.rsplit("|", 1)[-1].strip()
+                for line in (tmp_path / "stderr").read_text().splitlines()
+                if line.startswith("import time:")}
+    assert ready.startswith(f"{server.READY_LINE} ps:0"), ready
+    assert "tensorflow" in imported and "kfit_ps.cluster.server" in imported
+    assert not {m for m in imported if m.split(".")[0] == "keras" or m.startswith(
+        ("kfit_ps.training", "kfit_ps.strategy", "kfit_ps._tf_compat"))}

@@ -44,6 +44,8 @@ log = logging.getLogger("kfit_ps.cluster")
 
 _LIVE_CLUSTERS = weakref.WeakSet()
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Run by path: a server skips kfit_ps' __init__ and Keras (see the script's doc).
+_SERVER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_server_main.py")
 _STOP_GRACE_SECONDS = 5.0
 _KILL_WAIT_SECONDS = 30.0
 _START_ATTEMPTS = 3
@@ -320,9 +322,8 @@ class LocalCluster:
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
         env[constants.TF_LOGS_ENV] = "1"  # A server's log file keeps TensorFlow's own lines.
         env.update(self._env)
-        cmd = [sys.executable, "-m", "kfit_ps.cluster._server_main",
-               self.config.to_tf_config(task_type, index), str(os.getpid()), str(self._threads),
-               path]
+        cmd = [sys.executable, _SERVER_SCRIPT, self.config.to_tf_config(task_type, index),
+               str(os.getpid()), str(self._threads), path]
         with self._lock:  # With stop(): a server is spawned before it, or not at all.
             self._check_not_stopped()
             if key not in self._logs:
