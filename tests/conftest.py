@@ -10,6 +10,8 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import shutil  # noqa: E402
+
 import psutil  # noqa: E402
 import pytest  # noqa: E402
 
@@ -30,6 +32,16 @@ def strategy(cluster):
     import kfit_ps
 
     return kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def children_tmpdir(tmp_path_factory):
+    """A session directory as TMPDIR of the processes tests start (`helpers.chief_env`)."""
+    path = tmp_path_factory.mktemp("children_tmp")
+    helpers.CHILD_TMPDIR = str(path)
+    yield path
+    helpers.CHILD_TMPDIR = None
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -98,8 +98,15 @@ def reap_spawned(timeout=10):
     return left
 
 
+# TMPDIR of the processes tests start (set by conftest for the session, which removes it): what
+# they leave there, such as autograph's sources in a chief that ends with os._exit, goes with it.
+CHILD_TMPDIR = None
+
+
 def chief_env():
     env = dict(os.environ)
+    if CHILD_TMPDIR:
+        env["TMPDIR"] = CHILD_TMPDIR
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env["PYTHONUNBUFFERED"] = "1"
