@@ -11,7 +11,7 @@ import time
 
 import psutil
 
-SERVER_MODULE = os.path.join("kfit_ps", "cluster", "_server_main.py")  # LocalCluster runs it by path
+SERVER_MODULE = os.path.join("kfit_ps", "cluster", "_server_main.py")  # run by its path
 RESULT_PREFIX = "KFIT_PS_TEST_RESULT "
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
