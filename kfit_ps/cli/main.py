@@ -25,6 +25,7 @@ import sys
 import threading
 
 from kfit_ps import constants  # noqa: E402 - imports kfit_ps, which keeps TF's C++ logs quiet
+from kfit_ps import _tf_compat  # noqa: E402
 from kfit_ps.cli import launch_commands  # noqa: E402
 from kfit_ps.cli.flags import flag_error  # noqa: E402
 
@@ -243,10 +244,7 @@ def main(argv=None):
     if args.command in ("quickstart", "evaluator", "run"):
         # The servers are gone; skip interpreter teardown, where TensorFlow would try (and
         # loudly fail) to unregister functions from them. That skips autograph's clean-up too.
-        if "tensorflow" in sys.modules:
-            from kfit_ps import _tf_compat
-
-            _tf_compat.remove_autograph_files()
+        _tf_compat.remove_autograph_files()
         os._exit(status)
     return status
 

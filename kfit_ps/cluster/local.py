@@ -43,8 +43,8 @@ from kfit_ps.cluster.spec import ClusterConfig
 log = logging.getLogger("kfit_ps.cluster")
 
 _LIVE_CLUSTERS = weakref.WeakSet()
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Run by path: a server skips kfit_ps' __init__ and Keras (see the script's doc).
+# Run by path: a server skips kfit_ps' __init__ and Keras (see the script's doc), and runs the
+# same kfit_ps code as this process whatever else is installed (the script puts its tree first).
 _SERVER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_server_main.py")
 _STOP_GRACE_SECONDS = 5.0
 _KILL_WAIT_SECONDS = 30.0
@@ -316,9 +316,6 @@ class LocalCluster:
         path = self._log_path(task_type, index)
         env = dict(os.environ)
         env.pop(constants.TF_CONFIG, None)
-        # Servers run the same kfit_ps code as this launcher, whatever else is installed.
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
         env[constants.TF_LOGS_ENV] = "1"  # A server's log file keeps TensorFlow's own lines.
         env.update(self._env)

@@ -184,12 +184,11 @@ class Supervisor:
         task_type, index = task.split(":")
         try:
             self.cluster.restart(task_type, int(index))
+            news = f"{task} is back (pid {self.cluster.pid(task_type, int(index))})"
         except (RuntimeError, TimeoutError) as e:  # Its exit is the next event.
-            self._write_tasks()
-            self.say(f"{task} did not start: {str(e).splitlines()[0]}")
-            return
+            news = f"{task} did not start: {str(e).splitlines()[0]}"
         self._write_tasks()  # Before the news: whoever reads "is back" finds tasks.json current.
-        self.say(f"{task} is back (pid {self.cluster.pid(task_type, int(index))})")
+        self.say(news)
 
     def _restart_job(self):
         if self._stop_signal is not None:
