@@ -39,6 +39,29 @@ def compiled_model(strategy, kind="sequential", steps_per_execution=1, metrics=N
     return model
 
 
+def test_fit_learns_a_dataset_creators_spec_from_a_trace_not_an_eager_call(strategy):
+    """Built eagerly, the dataset's functions would be registered with every server per `fit`."""
+    base = helpers.regression_dataset_fn()
+    eagerly = []
+
+    def recording_fn(input_context):
+        eagerly.append(tf.executing_eagerly())
+        return base(input_context)
+
+    offset = tf.constant(1.0)  # an eager tensor: a plain graph cannot capture it
+
+    def capturing_fn(input_context):
+        return base(input_context).map(lambda x, y: (x, y + offset))
+
+    model = compiled_model(strategy)
+    model.fit(kfit_ps.DatasetCreator(recording_fn), epochs=1, steps_per_epoch=4, verbose=0)
+    assert eagerly and not any(eagerly), eagerly  # the coordinator's trace, the workers' function
+    history = model.fit(kfit_ps.DatasetCreator(capturing_fn), epochs=1, steps_per_epoch=4,
+                        verbose=0)  # the spec then comes from an eager call, as before
+    assert history.history["batches"] == [4.0]
+    assert int(model.optimizer.iterations.numpy()) == 8
+
+
 # 5: steps unrolled in one function; 12: a loop (functions.MAX_UNROLLED_STEPS is 10).
 @pytest.mark.parametrize("steps_per_execution", [1, 5, 12])
 def test_counts_are_exact(strategy, steps_per_execution):

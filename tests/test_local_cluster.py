@@ -260,7 +260,8 @@ def test_leaving_a_cluster_whose_coordinator_is_garbage_does_not_hang():
 
 
 def test_a_server_process_loads_neither_keras_nor_the_training_stack(tmp_path):
-    """LocalCluster runs its servers by path: no kfit_ps `__init__`, no Keras (CPU at start)."""
+    """LocalCluster runs its servers by path: no kfit_ps `__init__`, no Keras, only TensorFlow's
+    server classes (CPU at start)."""
     from kfit_ps.cluster import local, server
     from kfit_ps.cluster.spec import ClusterConfig
 
@@ -282,6 +283,11 @@ def test_a_server_process_loads_neither_keras_nor_the_training_stack(tmp_path):
                 for line in (tmp_path / "stderr").read_text().splitlines()
                 if line.startswith("import time:")}
     assert ready.startswith(f"{server.READY_LINE} ps:0"), ready
-    assert "tensorflow" in imported and "kfit_ps.cluster.server" in imported
+    assert ready.rstrip().endswith("(TensorFlow import: bare)"), ready
+    assert "tensorflow.python.training.server_lib" in imported
+    assert "kfit_ps.cluster.server" in imported
+    # Neither TensorFlow's Python API (its __init__ imports tensorflow._api.v2) nor Keras.
     assert not {m for m in imported if m.split(".")[0] == "keras" or m.startswith(
-        ("kfit_ps.training", "kfit_ps.strategy", "kfit_ps._tf_compat"))}
+        ("tensorflow._api", "kfit_ps.training", "kfit_ps.strategy"))}
+    assert {m for m in imported if m.startswith("kfit_ps._tf_compat")} == {
+        "kfit_ps._tf_compat.server_lib", "kfit_ps._tf_compat.supported"}

@@ -317,3 +317,59 @@ def test_remove_autograph_files_removes_this_process_generated_sources():
     assert generated and all(os.path.exists(path) for path in generated)
     assert _tf_compat.remove_autograph_files() >= 1
     assert not any(os.path.exists(path) for path in generated)
+
+
+# A fresh interpreter, as a server starts: kfit_ps' packages bare, TensorFlow not imported.
+BARE_SERVER_API = """
+import json, os, sys, types
+sys.path.insert(0, {root!r})
+for name in ("kfit_ps", "kfit_ps._tf_compat"):
+    package = types.ModuleType(name)
+    package.__path__ = [os.path.join({root!r}, *name.split("."))]
+    sys.modules[name] = package
+sys.modules["keras"] = None
+from kfit_ps._tf_compat import server_lib
+reason = server_lib.bare_import_reason()
+server, cluster_spec, config_proto, how = server_lib.server_api(bare=True)
+local = server.create_local_server()
+print(json.dumps({{"reason": reason, "how": how, "target": local.target,
+                   "config": type(config_proto(inter_op_parallelism_threads=3)).__name__,
+                   "python_api": any(m.startswith("tensorflow._api") for m in sys.modules)}}))
+"""
+
+
+def _bare_server_api(tmp_path, **env):
+    import json
+    import subprocess
+
+    from tests import helpers
+
+    script = tmp_path / "bare.py"
+    script.write_text(BARE_SERVER_API.format(root=helpers.ROOT))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, env={**helpers.chief_env(), **env}, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_server_api_imports_only_the_server_classes_where_that_loads_the_same_runtime(
+        tmp_path):
+    from kfit_ps._tf_compat import server_lib
+
+    bare = _bare_server_api(tmp_path)
+    assert bare["reason"] is None and bare["how"] == server_lib.BARE
+    assert bare["target"].startswith("grpc://") and bare["config"] == "ConfigProto"
+    assert not bare["python_api"]
+
+    # Where `import tensorflow` would load more into the runtime, a server takes it whole.
+    plugins = tmp_path / "site" / "tensorflow-plugins"
+    plugins.mkdir(parents=True)
+    with_plugins = _bare_server_api(tmp_path, PYTHONPATH=str(plugins.parent))
+    assert with_plugins["reason"] == "a tensorflow-plugins folder is installed"
+    assert with_plugins["how"] == server_lib.FULL and with_plugins["python_api"]
+    pluggable = _bare_server_api(tmp_path, TF_PLUGGABLE_DEVICE_LIBRARY_PATH=str(plugins))
+    assert pluggable["reason"] == "TF_PLUGGABLE_DEVICE_LIBRARY_PATH is set"
+
+    # In a process that has TensorFlow already (`kfit-ps server`): the ordinary classes.
+    assert server_lib.bare_import_reason() == "TensorFlow is already imported"
+    assert server_lib.server_api(bare=True)[:2] == (tf.distribute.Server, tf.train.ClusterSpec)

@@ -8,7 +8,6 @@ address says `localhost`, and accepts unauthenticated requests that run
 arbitrary code. See docs/security.md.
 """
 
-import logging
 import os
 import signal
 import sys
@@ -16,8 +15,7 @@ import threading
 import time
 
 from kfit_ps import constants
-
-log = logging.getLogger("kfit_ps.server")
+from kfit_ps._tf_compat import server_lib
 
 READY_LINE = "kfit_ps server ready:"
 
@@ -59,11 +57,13 @@ def _die_with_parent(parent_pid, poll_interval, log_file=None):
     threading.Thread(target=watch, name="kfit_ps-parent-watch", daemon=True).start()
 
 
-def server_config(task_type, num_workers, inter_op_threads=None):
-    """The `tf.compat.v1.ConfigProto` for a server of `task_type`."""
-    import tensorflow as tf
+def server_config(task_type, num_workers, inter_op_threads=None, config_proto=None):
+    """The `tf.compat.v1.ConfigProto` (or `config_proto`) for a server of `task_type`."""
+    if config_proto is None:
+        import tensorflow as tf
 
-    config = tf.compat.v1.ConfigProto()
+        config_proto = tf.compat.v1.ConfigProto
+    config = config_proto()
     if task_type == constants.WORKER:
         config.inter_op_parallelism_threads = (
             inter_op_threads or constants.worker_inter_op_threads(num_workers)
@@ -72,7 +72,7 @@ def server_config(task_type, num_workers, inter_op_threads=None):
 
 
 def run_server(cluster_config, inter_op_threads=None, parent_pid=None, log_file=None,
-               warn=True):
+               warn=True, bare_tensorflow=False):
     """Starts the server for `cluster_config`'s task and blocks forever.
 
     Args:
@@ -82,6 +82,9 @@ def run_server(cluster_config, inter_op_threads=None, parent_pid=None, log_file=
         parent_pid: exit when this process dies. Defaults to None (no watch).
         log_file: this server's log, removed if `parent_pid` dies. Defaults to None.
         warn: print the all-interfaces security warning. Defaults to True.
+        bare_tensorflow: import only TensorFlow's server classes where that loads
+            the same runtime (`_tf_compat.server_lib`); only for a process
+            that never imports TensorFlow otherwise. Defaults to False.
     """
     task_type, index = cluster_config.task_type, cluster_config.task_index
     if task_type not in constants.SERVER_TASK_TYPES:
@@ -97,20 +100,20 @@ def run_server(cluster_config, inter_op_threads=None, parent_pid=None, log_file=
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-    import tensorflow as tf
-
+    server_class, cluster_spec, config_proto, how = server_lib.server_api(bare=bare_tensorflow)
     address = cluster_config.address(task_type, index)
     if warn:
         print(SECURITY_WARNING.format(address=address), file=sys.stderr, flush=True)
-    server = tf.distribute.Server(
-        tf.train.ClusterSpec(cluster_config.training_cluster()),
+    server = server_class(
+        cluster_spec(cluster_config.training_cluster()),
         job_name=task_type,
         task_index=index,
         protocol="grpc",
         config=server_config(task_type, cluster_config.num_tasks(constants.WORKER),
-                             inter_op_threads),
+                             inter_op_threads, config_proto),
         start=True,
     )
     # Printed only once the server has bound its port: launchers wait for this line.
-    print(f"{READY_LINE} {task_type}:{index} at {address}", flush=True)
+    print(f"{READY_LINE} {task_type}:{index} at {address} (TensorFlow import: {how})",
+          flush=True)
     server.join()

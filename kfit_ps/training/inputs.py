@@ -192,11 +192,14 @@ def adapt(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True, train
         _check_no_extra(arg, "DatasetCreator", y=y, sample_weight=sample_weight,
                         batch_size=batch_size)
         creator = as_dataset_creator(x)
+        if training:  # Only the element spec is needed: no eager call (see `_traced_spec`).
+            return WorkerInput(element_spec=_traced_spec(creator), dataset_fn=creator,
+                               options=creator.input_options)
         sample = creator(tf.distribute.InputContext())
         finite = int(sample.cardinality()) != tf.data.INFINITE_CARDINALITY
         return WorkerInput(element_spec=sample.element_spec, dataset_fn=creator,
                            options=creator.input_options, num_shards=num_shards,
-                           finite=finite, sample=sample if finite and not training else None)
+                           finite=finite, sample=sample if finite else None)
 
     if isinstance(x, tf.data.Dataset):
         _check_no_extra(arg, "tf.data.Dataset", y=y, sample_weight=sample_weight,
@@ -244,6 +247,22 @@ def adapt(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True, train
     dataset = tf.data.Dataset.from_tensor_slices(arrays).batch(batch_size)
     return ShippedInput(dataset=dataset, element_spec=dataset.element_spec,
                         num_batches=num_batches)
+
+
+def _traced_spec(creator):
+    """The element spec of `creator`'s dataset, built in a throw-away graph.
+
+    Built eagerly, a dataset's functions (its `map`s, `filter`s, ...) are
+    registered with every task of the cluster, then removed again when the
+    dataset goes: two calls to each server per function, in every `fit`.
+    `dataset_fn` is traced into a graph on the workers anyway, so it builds in
+    one here; if it cannot (e.g. it captures an eager tensor), it runs eagerly.
+    """
+    try:
+        with tf.Graph().as_default():
+            return creator(tf.distribute.InputContext()).element_spec
+    except Exception:  # noqa: BLE001 - the eager call below raises what the user must see
+        return creator(tf.distribute.InputContext()).element_spec
 
 
 def check_steps(name, value, required_because=None):
