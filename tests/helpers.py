@@ -113,6 +113,43 @@ def chief_env():
     return env
 
 
+# One interpreter runs `kfit-ps` on many argument lists (`cli_failures`).
+_CLI_RUNS = """
+import contextlib, io, json, os, sys
+from kfit_ps.cli.main import main
+
+results = []
+for argv, env in json.loads(sys.stdin.read()):
+    os.environ.pop("TF_CONFIG", None)
+    os.environ.update(env)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            status = main(argv)
+        except SystemExit as e:
+            status = e.code
+    for name in env:
+        os.environ.pop(name, None)
+    results.append([status, err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def cli_failures(cases, timeout=180):
+    """[(exit status, stderr)] of `kfit-ps ARGV` for each `(argv, env)` in `cases`.
+
+    For argument errors, which end a command before it starts anything: one
+    interpreter runs them all, where a `kfit-ps` process each would import
+    TensorFlow and Keras again (about 5 s of CPU each). `TF_CONFIG` is unset
+    unless a case's `env` sets it.
+    """
+    proc = subprocess.run([sys.executable, "-c", _CLI_RUNS], input=json.dumps(
+        [[list(argv), dict(env or {})] for argv, env in cases]), capture_output=True,
+        text=True, timeout=timeout, cwd=ROOT, env=chief_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [tuple(result) for result in json.loads(proc.stdout.strip().splitlines()[-1])]
+
+
 def run_chief(code, timeout=240):
     """Runs `code` as a fresh chief process; returns the dict it passed to `report()`.
 

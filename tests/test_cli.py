@@ -19,7 +19,7 @@ def kfit_ps_cli(*args, env_extra=None, **kwargs):
                             stderr=subprocess.PIPE, **kwargs)
 
 
-@pytest.mark.parametrize("tf_config, fragment", [
+BAD_TF_CONFIGS = [
     ("{bad json", "not valid JSON"),
     (json.dumps({"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker"}}),
      "no 'ps' task"),
@@ -28,15 +28,41 @@ def kfit_ps_cli(*args, env_extra=None, **kwargs):
     (json.dumps({"cluster": {"worker": ["localhost:1"], "ps": ["localhost:2"],
                              "chief": ["localhost:3"]}, "task": {"type": "chief"}}),
      "runs a 'worker' or 'ps' task"),
-])
-def test_server_rejects_bad_tf_config(tf_config, fragment):
-    proc = kfit_ps_cli("server", env_extra={"TF_CONFIG": tf_config})
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 2
+]
+OVERRIDING_FLAGS = ("server", "--cluster", '{"worker": ["localhost:1"], "ps": ["localhost:2"]}',
+                    "--task-type", "worker", "--task-index", "4")
+BAD_FLAGS = [
+    (("quickstart", "--workers", "0"), "--workers"),
+    (("quickstart", "--steps-per-epoch", "-5"), "--steps-per-epoch"),
+    (("local", "--ps", "0"), "--ps"),
+]
+
+
+@pytest.fixture(scope="module")
+def failures():
+    """Each erroneous command line of this module -> (exit status, stderr), run at once."""
+    cases = [(("server",), {"TF_CONFIG": tf_config}) for tf_config, _ in BAD_TF_CONFIGS]
+    cases += [(("server",), None), (OVERRIDING_FLAGS, None)]
+    cases += [(args, None) for args, _ in BAD_FLAGS]
+    results = helpers.cli_failures(cases)
+    return {(argv, (env or {}).get("TF_CONFIG")): result
+            for (argv, env), result in zip(cases, results)}
+
+
+@pytest.mark.parametrize("tf_config, fragment", BAD_TF_CONFIGS)
+def test_server_rejects_bad_tf_config(failures, tf_config, fragment):
+    status, err = failures[("server",), tf_config]
+    assert status == 2
     assert fragment in err and "TF_CONFIG" in err
 
 
-def test_server_without_tf_config_or_flags():
+def test_server_without_tf_config_or_flags(failures):
+    status, err = failures[("server",), None]
+    assert status == 2 and "TF_CONFIG is not set" in err
+
+
+def test_a_failing_command_exits_with_status_2_in_its_own_process():
+    """The cases above run in one interpreter (`helpers.cli_failures`); this one as users do."""
     proc = kfit_ps_cli("server")
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2 and "TF_CONFIG is not set" in err
@@ -58,11 +84,9 @@ def test_server_serves_from_tf_config_and_warns():
     assert "task=ps:0" in err  # effective configuration is logged
 
 
-def test_server_flags_override_tf_config():
-    proc = kfit_ps_cli("server", "--cluster", '{"worker": ["localhost:1"], "ps": ["localhost:2"]}',
-                       "--task-type", "worker", "--task-index", "4")
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 2
+def test_server_flags_override_tf_config(failures):
+    status, err = failures[OVERRIDING_FLAGS, None]
+    assert status == 2
     assert "Invalid --cluster" in err and "out of range" in err
 
 
@@ -81,13 +105,8 @@ def test_local_prints_tf_config_and_stops_cleanly():
     assert helpers.wait_for_no_servers([c.pid for c in children], timeout=10) == []
 
 
-@pytest.mark.parametrize("args, flag", [
-    (("quickstart", "--workers", "0"), "--workers"),
-    (("quickstart", "--steps-per-epoch", "-5"), "--steps-per-epoch"),
-    (("local", "--ps", "0"), "--ps"),
-])
-def test_bad_flags_are_named(args, flag):
-    proc = kfit_ps_cli(*args)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 2
+@pytest.mark.parametrize("args, flag", BAD_FLAGS)
+def test_bad_flags_are_named(failures, args, flag):
+    status, err = failures[args, None]
+    assert status == 2
     assert f"{flag}: must be an integer >= 1. Received: {flag}" in err

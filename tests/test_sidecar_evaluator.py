@@ -122,18 +122,30 @@ def test_cli_evaluator_evaluates_each_checkpoint(checkpoints):
     assert "kfit-ps evaluator: checkpoint_dir=" in proc.stderr
 
 
-@pytest.mark.parametrize("args, env, fragment", [
-    (["--model-fn", "nope", "--data-fn", "x:y"], None, "--model-fn: must be MODULE:FUNCTION"),
-    (["--model-fn", "tests.test_sidecar_evaluator:missing", "--data-fn", "x:y"], None,
+WORKER_TF_CONFIG = json.dumps({"cluster": {"worker": ["localhost:1"], "ps": ["localhost:2"]},
+                               "task": {"type": "worker", "index": 0}})
+CLI_ERRORS = [
+    (("--model-fn", "nope", "--data-fn", "x:y"), None, "--model-fn: must be MODULE:FUNCTION"),
+    (("--model-fn", "tests.test_sidecar_evaluator:missing", "--data-fn", "x:y"), None,
      "--model-fn: could not be loaded"),
-    (["--model-fn", "a:b", "--data-fn", "c:d"], {"TF_CONFIG": json.dumps({
-        "cluster": {"worker": ["localhost:1"], "ps": ["localhost:2"]},
-        "task": {"type": "worker", "index": 0}})}, "runs the 'evaluator' task"),
-])
-def test_cli_evaluator_errors(tmp_path, args, env, fragment):
-    proc = run_cli(["--checkpoint-dir", str(tmp_path), *args], env=env)
-    assert proc.returncode == 2
-    assert fragment in proc.stderr
+    (("--model-fn", "a:b", "--data-fn", "c:d"), WORKER_TF_CONFIG, "runs the 'evaluator' task"),
+]
+
+
+@pytest.fixture(scope="module")
+def cli_failures(tmp_path_factory):
+    """`kfit-ps evaluator` with each of CLI_ERRORS' flags -> (exit status, stderr)."""
+    directory = str(tmp_path_factory.mktemp("evaluator_cli"))
+    cases = [(("evaluator", "--checkpoint-dir", directory, *args),
+              {"TF_CONFIG": tf_config} if tf_config else None) for args, tf_config, _ in CLI_ERRORS]
+    return dict(zip([args for args, _, _ in CLI_ERRORS], helpers.cli_failures(cases)))
+
+
+@pytest.mark.parametrize("args, tf_config, fragment", CLI_ERRORS)
+def test_cli_evaluator_errors(cli_failures, args, tf_config, fragment):
+    status, err = cli_failures[args]
+    assert status == 2
+    assert fragment in err
 
 
 def test_a_file_rewritten_under_its_old_marker_is_not_evaluated(checkpoints, tmp_path):
