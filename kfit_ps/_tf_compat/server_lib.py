@@ -3,7 +3,7 @@
 A worker or ps process only creates a `tf.distribute.Server` and blocks in
 its `join()`: every op it runs arrives from the chief as a function and runs
 in TensorFlow's C++ runtime. `import tensorflow` would also load the whole
-Python API (about 2,500 modules, 3.5 to 5 s of CPU); a server started by
+Python API (about 2,500 modules, 3 to 5 s of CPU); a server started by
 `LocalCluster` imports only `tensorflow.python.training.server_lib` and its
 dependencies (about 350 modules, 0.6 s), the same shared libraries and
 kernels included.

@@ -7,8 +7,8 @@ Usage (internal): python .../kfit_ps/cluster/_server_main.py TF_CONFIG_JSON PARE
 package's `__init__` (which loads Keras and patches it), and imports only
 TensorFlow's server classes where that loads the same runtime
 (`_tf_compat.server_lib`), never Keras. On the project's 2-core machine a
-server then starts on about 1 s of CPU instead of 6.7 s (4.9 s with the whole
-of TensorFlow), and every `LocalCluster` starts four or more of them.
+server then starts on about 0.6 s of CPU instead of 3 to 3.5 s with the whole
+of TensorFlow, and every `LocalCluster` starts four or more of them.
 """
 
 import os
