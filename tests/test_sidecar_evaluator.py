@@ -133,7 +133,7 @@ CLI_ERRORS = [
 
 
 @pytest.fixture(scope="module")
-def cli_failures(tmp_path_factory):
+def evaluator_failures(tmp_path_factory):
     """`kfit-ps evaluator` with each of CLI_ERRORS' flags -> (exit status, stderr)."""
     directory = str(tmp_path_factory.mktemp("evaluator_cli"))
     cases = [(("evaluator", "--checkpoint-dir", directory, *args),
@@ -142,8 +142,8 @@ def cli_failures(tmp_path_factory):
 
 
 @pytest.mark.parametrize("args, tf_config, fragment", CLI_ERRORS)
-def test_cli_evaluator_errors(cli_failures, args, tf_config, fragment):
-    status, err = cli_failures[args]
+def test_cli_evaluator_errors(evaluator_failures, args, tf_config, fragment):
+    status, err = evaluator_failures[args]
     assert status == 2
     assert fragment in err
 
