@@ -1,4 +1,4 @@
-"""Two small network checks shared by the cluster and training layers."""
+"""Small network checks shared by the cluster and training layers."""
 
 import socket
 
@@ -18,3 +18,23 @@ def free_port(host):
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host if host != "localhost" else "127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def distinct_ports(host, count, taken, probe=free_port, tries=100):
+    """`count` free ports on `host`, none in `taken` (which they are added to).
+
+    Each probe closes its socket, so the kernel may hand the same port out twice in a row
+    (seen in CI: worker 0 and ps 0 given one port); a port already taken is probed again.
+    """
+    ports = []
+    for _ in range(tries):
+        if len(ports) == count:
+            break
+        port = probe(host)
+        if port not in taken:
+            taken.add(port)
+            ports.append(port)
+    if len(ports) < count:
+        raise RuntimeError(f"No {count} distinct free ports on {host!r} after {tries} probes "
+                           f"(taken: {sorted(taken)}).")
+    return ports

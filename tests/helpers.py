@@ -40,11 +40,19 @@ def wait_for_no_servers(pids=None, exclude=(), timeout=10.0):
         time.sleep(0.2)
 
 
+_HANDED_OUT = set()
+
+
 def free_port():
-    """A port free on this machine right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on this machine right now, never one this process was handed before (the
+    kernel may hand a just-closed probe port out again, and a spec with it twice is invalid)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def wait_listening(address, proc, timeout=90):

@@ -158,6 +158,22 @@ def test_model_released_after_its_cluster_stopped_logs_no_errors():
     assert "failed to connect" not in proc.stderr
 
 
+def test_a_port_the_kernel_hands_out_twice_is_not_given_to_two_tasks(monkeypatch):
+    """Probes close their sockets, so one port can come back twice in a row (seen in CI as
+    'localhost:45685 appears twice: as worker[0] and as ps[0]'): the second is probed again."""
+    import kfit_ps.cluster.local as local
+
+    handed = iter([5001, 5002, 5002, 5002, 5001, 5003])
+    monkeypatch.setattr(local, "_free_port", lambda host: next(handed))
+    picked = LocalCluster(num_workers=1, num_ps=1)._pick_addresses()
+    assert picked == {"chief": ["localhost:5001"], "worker": ["localhost:5002"],
+                      "ps": ["localhost:5003"]}
+
+    monkeypatch.setattr(local, "_free_port", lambda host: 5001)
+    with pytest.raises(RuntimeError, match="No 1 distinct free ports on 'localhost'"):
+        LocalCluster(num_workers=1, num_ps=1)._pick_addresses()
+
+
 @pytest.mark.slow
 def test_port_taken_before_the_server_binds_is_retried(monkeypatch, children_reaped):
     """Another process grabs a picked port (and even answers on it): start() picks new ports."""

@@ -282,8 +282,10 @@ class LocalCluster:
 
     def _pick_addresses(self):
         def addresses(n):
-            return [f"{self.host}:{_free_port(self.host)}" for _ in range(n)]
+            return [f"{self.host}:{port}" for port in net.distinct_ports(
+                self.host, n, taken, probe=_free_port)]
 
+        taken = set()  # Ports picked for this attempt: no two tasks share one.
         return {constants.CHIEF: addresses(1), constants.WORKER: addresses(self.num_workers),
                 constants.PS: addresses(self.num_ps)}
 
