@@ -29,6 +29,8 @@ SCRIPTS = {
                            "{out}/embedding_scaling.json"], 900),
     "dlrm_throughput": (["bench/dlrm_throughput.py", "--repeats", "1", "--steps", "10", "--rows",
                          "3000", "--json", "{out}/dlrm.json", "--png", "{out}/dlrm.png"], 900),
+    "fit_phases": (["bench/fit_phases.py", "--fits", "2", "--steps", "10", "--rows", "3000",
+                    "--json", "{out}/fit_phases.json"], 600),
     "exact_evaluation": (["bench/exact_evaluation.py", "--repeats", "1", "--rows", "5000",
                           "--files", "10", "--batch-size", "256", "--json",
                           "{out}/exact_evaluation.json"], 900),
@@ -57,6 +59,7 @@ def _scripts_of(item):
         "test_fit_overhead_runs_and_reports_a_ratio": ["fit_overhead"],
         "test_embedding_scaling_runs_and_reports_all_four_figures": ["embedding_scaling"],
         "test_dlrm_throughput_runs_all_three_contenders": ["dlrm_throughput"],
+        "test_fit_phases_add_up_to_each_fit": ["fit_phases"],
         "test_exact_evaluation_counts_every_example_on_both_paths": ["exact_evaluation"],
         "test_long_run_and_scaling_report": ["long_run", "scaling"],
     }[item.originalname]
@@ -169,6 +172,19 @@ def test_dlrm_throughput_runs_all_three_contenders(scripts):
     assert result["kfit_ps/tf_keras"]["median"] > 0 and result["kfit_ps/keras"]["median"] > 0
     with open(os.path.join(scripts.out, "dlrm.png"), "rb") as f:
         assert f.read(4) == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_fit_phases_add_up_to_each_fit(scripts):
+    proc = _succeeded(scripts, "fit_phases")
+    assert "optimizer.iterations == 40: True" in proc.stdout
+    result = scripts.json("fit_phases.json")
+    assert result["iterations"] == result["expected_iterations"] == 40
+    assert len(result["fits"]) == 2
+    for fit in result["fits"]:
+        phases = [fit[k] for k in ("before", "steps", "join", "after")]
+        assert all(p >= 0 for p in phases) and 0 <= fit["busy"] <= 1
+        assert abs(10 / sum(phases) - fit["steps_per_s"]) < 0.01 * fit["steps_per_s"]
 
 
 @pytest.mark.slow
