@@ -46,13 +46,9 @@ _HANDED_OUT = set()
 def free_port():
     """A port free on this machine right now, never one this process was handed before (the
     kernel may hand a just-closed probe port out again, and a spec with it twice is invalid)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+    from kfit_ps import net  # (here: importing kfit_ps loads TensorFlow and Keras)
+
+    return net.distinct_ports("localhost", 1, _HANDED_OUT)[0]
 
 
 def wait_listening(address, proc, timeout=90):

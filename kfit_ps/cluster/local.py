@@ -281,11 +281,12 @@ class LocalCluster:
                                "`with LocalCluster(...) as cluster:` or call start().")
 
     def _pick_addresses(self):
+        taken = set()  # Ports picked for this attempt: no two tasks share one.
+
         def addresses(n):
             return [f"{self.host}:{port}" for port in net.distinct_ports(
                 self.host, n, taken, probe=_free_port)]
 
-        taken = set()  # Ports picked for this attempt: no two tasks share one.
         return {constants.CHIEF: addresses(1), constants.WORKER: addresses(self.num_workers),
                 constants.PS: addresses(self.num_ps)}
 
