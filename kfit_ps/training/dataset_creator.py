@@ -23,7 +23,12 @@ class DatasetCreator:
     Args:
         dataset_fn: a callable taking a `tf.distribute.InputContext` and
             returning a `tf.data.Dataset` of batches.
-        input_options: optional `tf.distribute.InputOptions`. Defaults to None.
+        input_options: optional `tf.distribute.InputOptions`. Defaults to None:
+            each CPU worker iterates the dataset itself, with tf.data
+            autotuning off unless the dataset's options turn it on (see
+            `kfit_ps.training.scheduling.without_autotune_sleep`). Given, the
+            workers use TensorFlow's distributed iterator with these options
+            (as on workers with accelerators).
     """
 
     def __init__(self, dataset_fn, input_options=None):

@@ -38,19 +38,59 @@ def _quiet_options_warning(make):
     return quiet
 
 
+def without_autotune_sleep(dataset):
+    """`dataset`, with tf.data autotuning off unless its options set it.
+
+    TensorFlow destroys an iterator without waking its autotuning thread
+    first: the destructor waits out the thread's sleep, which doubles up to
+    60 s as the pipeline runs. A worker destroys the previous `fit`'s
+    iterator on a request thread that holds its table of remote tensors, so
+    the worker takes no step for up to a minute (docs/benchmarks.md, "Why the
+    stall lasts"). Without autotuning, `AUTOTUNE` parallelism is the size of
+    the pipeline's thread pool and `prefetch(AUTOTUNE)` grows its buffer on
+    demand, as fast on the DLRM job. A dataset that sets
+    `options.autotune.enabled` keeps its choice.
+    """
+    if dataset.options().autotune.enabled is not None:
+        return dataset
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return dataset.with_options(options)
+
+
+def _iterates_directly(strategy, worker_input):
+    """Whether each worker can iterate its pipeline itself (CPU workers, no `InputOptions`)."""
+    return worker_input.options is None and all(
+        "CPU" in device.upper() for device in strategy.extended.worker_devices)
+
+
 @_quiet_options_warning
 def per_worker_iterator(strategy, worker_input):
-    """An iterator over each worker's own (repeated or infinite) dataset."""
+    """An iterator over each worker's own (repeated or infinite) dataset.
+
+    On CPU workers each worker iterates its pipeline itself, the form that
+    `ClusterCoordinator.create_per_worker_dataset` documents: a
+    `DistributedIterator` would add a `MultiDeviceIterator` (a second pipeline
+    and a copy of every batch) for the one device there is. Workers with
+    accelerators, or a `DatasetCreator` given `InputOptions`, get
+    TensorFlow's distributed iterator, which places batches on the devices.
+    """
     coordinator = strategy.coordinator
+    if not _iterates_directly(strategy, worker_input):
+        if worker_input.dataset is not None:
+            return iter(coordinator.create_per_worker_dataset(
+                strategy.experimental_distribute_dataset(worker_input.dataset)))
+        return iter(coordinator.create_per_worker_dataset(
+            lambda: strategy.distribute_datasets_from_function(worker_input.dataset_fn,
+                                                               worker_input.options)))
     if worker_input.dataset is not None:
-        distributed = strategy.experimental_distribute_dataset(worker_input.dataset)
-        return iter(coordinator.create_per_worker_dataset(distributed))
-
-    def per_worker_dataset_fn():
-        return strategy.distribute_datasets_from_function(
-            worker_input.dataset_fn, worker_input.options)
-
-    return iter(coordinator.create_per_worker_dataset(per_worker_dataset_fn))
+        return iter(coordinator.create_per_worker_dataset(
+            without_autotune_sleep(worker_input.dataset)))
+    # What `distribute_datasets_from_function` gives a worker: one pipeline of its own.
+    context = tf.distribute.InputContext(num_replicas_in_sync=strategy.num_replicas_in_sync)
+    creator = worker_input.dataset_fn
+    return iter(coordinator.create_per_worker_dataset(
+        lambda: without_autotune_sleep(creator(context))))
 
 
 @_quiet_options_warning
