@@ -22,6 +22,13 @@ def _iterator_kind(strategy, iterator):
     return kinds[0]
 
 
+def _counting_model(strategy):
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer="adam", loss="mse", metrics=[helpers.counting_metric()])
+    return model
+
+
 @pytest.mark.parametrize("given", ["creator", "dataset"])
 def test_cpu_workers_iterate_their_own_pipeline(strategy, given):
     dataset_fn = helpers.regression_dataset_fn()
@@ -39,9 +46,7 @@ def test_input_options_keep_tensorflows_distributed_iterator(strategy):
     iterator = scheduling.per_worker_iterator(strategy, inputs.adapt(creator, training=True))
     assert isinstance(_iterator_kind(strategy, iterator), tf.distribute.DistributedIterator)
 
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-        model.compile(optimizer="adam", loss="mse", metrics=[helpers.counting_metric()])
+    model = _counting_model(strategy)
     history = model.fit(creator, epochs=2, steps_per_epoch=7, verbose=0)
     assert history.history["batches"] == [7.0, 7.0]
     assert int(model.optimizer.iterations.numpy()) == 14
@@ -62,9 +67,7 @@ def test_worker_pipelines_turn_autotuning_off_unless_the_dataset_chose():
 
 def test_consecutive_fits_on_the_direct_path_stay_exact(strategy):
     """Each `fit` makes a fresh iterator; the previous one is destroyed meanwhile."""
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-        model.compile(optimizer="adam", loss="mse", metrics=[helpers.counting_metric()])
+    model = _counting_model(strategy)
     creator = kfit_ps.DatasetCreator(helpers.regression_dataset_fn())
     first = model.evaluate(creator, steps=4, verbose=0, return_dict=True)["loss"]
     for _ in range(3):
