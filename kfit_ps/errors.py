@@ -6,9 +6,11 @@ its last backup. Errors of the program itself (a bad argument, a shape
 mismatch, a NaN check) are never turned into a `ClusterError`.
 """
 
-# Exit status of a chief that stopped on a `ClusterError` under `kfit-ps run` (BSD's
-# EX_TEMPFAIL: "temporary failure, try again"): the launcher restarts the job.
-EXIT_CLUSTER_ERROR = 75
+from kfit_ps import exit_status
+
+# Exit status of a chief that stopped on a `ClusterError` under `kfit-ps run`: the launcher
+# restarts the job (`kfit_ps.exit_status`, the table of every status).
+EXIT_CLUSTER_ERROR = exit_status.CLUSTER_ERROR
 
 
 class ClusterError(RuntimeError):
@@ -27,8 +29,29 @@ class WorkersLostError(ClusterError):
     """Every worker has been unreachable for longer than the configured timeout."""
 
 
+class WorkerResultLostError(ClusterError):
+    """A worker was lost with the result of a function that had finished on it."""
+
+
 class ParameterServerError(ClusterError):
     """A ps task failed or restarted: the variables it held are gone."""
+
+
+class Preempted(SystemExit):
+    """The process was asked to stop (SIGTERM) and stopped at a safe point.
+
+    Raised by `fit` after the steps in flight finished and a final backup (if
+    any) was written; as a `SystemExit`, it ends the script with
+    `exit_status.PREEMPTED` (143) unless caught, and `except Exception` in the
+    script does not swallow it.
+    """
+
+    def __init__(self, message):
+        super().__init__(exit_status.PREEMPTED)
+        self.message = message
+
+    def __str__(self):
+        return self.message
 
 
 def exit_with_status_on_cluster_error(before_exit=None):

@@ -2,6 +2,7 @@
 
 import pytest
 
+from kfit_ps import exit_status
 from kfit_ps.errors import EXIT_CLUSTER_ERROR
 from kfit_ps.launch import Action, LaunchConfig, RestartPolicy, TaskExit
 
@@ -17,6 +18,10 @@ def decide(policy, task, status, server_lost=False):
     ("chief:0", -9, False, Action.RESTART_JOB),         # chief lost (SIGKILL)
     ("chief:0", EXIT_CLUSTER_ERROR, False, Action.RESTART_JOB),  # fit raised a ClusterError
     ("chief:0", 1, True, Action.RESTART_JOB),           # it failed because a server was lost
+    ("chief:0", exit_status.PREEMPTED, False, Action.RESTART_JOB),  # stopped on SIGTERM
+    ("chief:0", exit_status.KILLED, False, Action.RESTART_JOB),
+    ("chief:0", exit_status.RESTARTS_EXHAUSTED, False, Action.FAIL),
+    ("chief:0", 139, False, Action.FAIL),
     ("worker:1", -9, False, Action.RESTART_TASK),
     ("worker:0", 0, False, Action.RESTART_TASK),
     ("ps:0", -9, False, Action.WAIT_FOR_CHIEF),
@@ -34,7 +39,7 @@ def test_restarts_back_off_and_are_limited_per_task():
     assert delays == [1.0, 2.0, 3.0]  # doubling, capped
     assert decide(policy, "worker:1", -9).delay == 1.0  # counted per task
     final = decide(policy, "worker:0", -9)
-    assert final.action is Action.FAIL and final.exit_status == 1
+    assert final.action is Action.FAIL and final.exit_status == exit_status.RESTARTS_EXHAUSTED
     assert "worker:0 ended with signal SIGKILL" in final.reason
     assert "failed 4 times" in final.reason and "--max-restarts 3" in final.reason
     assert "last line" in final.reason  # the task's last log lines
@@ -64,3 +69,31 @@ def test_config_repr_shows_what_differs_from_defaults():
     assert repr(config) == ("LaunchConfig(command=('python', 'train.py'), num_ps=2, "
                             "save_freq=100)")
     assert LaunchConfig(tasks=[("ps", 0)]).runs_chief is False
+
+
+def test_a_task_that_ran_healthy_long_enough_gets_a_fresh_budget():
+    now = [0.0]
+    policy = RestartPolicy(max_restarts=2, healthy_period=100.0, clock=lambda: now[0])
+    for t in (0.0, 10.0):
+        now[0] = t
+        assert decide(policy, "ps:0", -9).action is Action.WAIT_FOR_CHIEF
+    # 100 s after the last failure, the budget is full again: two more restarts, then FAIL.
+    for t in (110.0, 120.0):
+        now[0] = t
+        assert decide(policy, "ps:0", -9).action is Action.WAIT_FOR_CHIEF
+    now[0] = 130.0
+    spent = decide(policy, "ps:0", -9)
+    assert spent.action is Action.FAIL and spent.exit_status == exit_status.RESTARTS_EXHAUSTED
+    assert policy.failures["ps:0"] == 5  # tasks.json counts every failure
+    early = RestartPolicy(max_restarts=2, healthy_period=100.0, clock=lambda: 0.0)
+    assert [decide(early, "ps:0", -9).action for _ in range(3)][-1] is Action.FAIL
+
+
+def test_exit_status_table():
+    assert exit_status.RETRY == (75, 130, 137, 143)
+    assert exit_status.from_returncode(-15) == exit_status.PREEMPTED
+    assert exit_status.is_retry(-9) and exit_status.is_retry(75) and not exit_status.is_retry(1)
+    assert exit_status.is_program_error(1) and exit_status.is_program_error(139)
+    assert not exit_status.is_program_error(exit_status.RESTARTS_EXHAUSTED)
+    assert exit_status.describe(75) == "exit code 75 (cluster error)"
+    assert exit_status.describe(2) == "exit code 2 (program error)"

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import kubernetes_validate
+import kubernetes_validate.utils
 import pytest
 import yaml
 
@@ -12,7 +13,13 @@ from kfit_ps import ClusterConfig
 from kfit_ps.launch.manifests import ManifestConfig, render
 from tests import helpers
 
-K8S_VERSION = "1.30.0"
+from kfit_ps import exit_status
+from kfit_ps.launch.manifests import DEFAULT_REQUESTS
+
+# The oldest Kubernetes whose Job API has everything the chief's Job uses (per-index backoff
+# and podFailurePolicy GA; podReplacementPolicy beta, on by default), and the newest schema
+# kubernetes-validate knows.
+K8S_VERSIONS = ("1.33.0", kubernetes_validate.utils.latest_version())
 
 
 def job(**kwargs):
@@ -26,62 +33,163 @@ def job(**kwargs):
 
 def pod_specs(objects):
     for obj in objects:
-        if obj["kind"] in ("Deployment", "Job"):
+        if obj["kind"] in ("StatefulSet", "Job"):
             yield obj, obj["spec"]["template"]["spec"]
+
+
+def validate(objects):
+    for version in K8S_VERSIONS:
+        for obj in objects:
+            kubernetes_validate.validate(obj, version, strict=True)
+
+
+def expand(value, env):
+    """Kubernetes' `$(VAR)` expansion in a container's env values and command."""
+    for name, replacement in env.items():
+        value = value.replace(f"$({name})", replacement)
+    return value
+
+
+def pods(objects):
+    """(object, container, env, command) of every pod the objects make, indices expanded."""
+    for obj, spec in pod_specs(objects):
+        [container] = spec["containers"]
+        replicas = obj["spec"].get("replicas", 1)
+        for index in range(replicas):
+            env = {"KFIT_PS_TASK_INDEX": str(index)} if obj["kind"] == "StatefulSet" else {}
+            for e in container["env"]:
+                if "value" in e:
+                    env[e["name"]] = expand(e["value"], env)
+            yield obj, container, env, [expand(c, env) for c in container["command"]]
 
 
 def test_every_object_passes_the_kubernetes_schema():
     objects = render(job())
-    for obj in objects:
-        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    validate(objects)
     kinds = [obj["kind"] for obj in objects]
-    assert kinds.count("Service") == 8  # chief, 4 workers, 2 ps, evaluator
-    assert kinds.count("Deployment") == 6 and kinds.count("Job") == 2
-    assert kinds.count("NetworkPolicy") == 1
+    assert kinds.count("Service") == 4  # chief, workers, ps, evaluator
+    assert kinds.count("StatefulSet") == 2 and kinds.count("Job") == 2  # one per task type
+    assert kinds.count("PodDisruptionBudget") == 2 and kinds.count("NetworkPolicy") == 1
 
 
 def test_each_pod_has_its_task_and_every_task_by_its_dns_name():
     config = job()
     objects = render(config)
-    services = {obj["metadata"]["name"] for obj in objects if obj["kind"] == "Service"}
-    seen = set()
-    for obj, spec in pod_specs(objects):
-        [container] = spec["containers"]
-        env = {e["name"]: e["value"] for e in container["env"]}
+    services = {obj["metadata"]["name"]: obj for obj in objects if obj["kind"] == "Service"}
+    seen = []
+    for obj, container, env, command in pods(objects):
         parsed = ClusterConfig.from_tf_config(env["TF_CONFIG"])
         task = (parsed.task_type, parsed.task_index)
-        seen.add(task)
-        assert obj["metadata"]["name"] == f"ctr-{task[0]}-{task[1]}"
+        seen.append(task)
+        if obj["kind"] == "StatefulSet":  # The index is the pod's, from its label.
+            assert command[:4] == ["kfit-ps", "run", "--tasks", f"{task[0]}:{task[1]}"]
+            [index_env] = [e for e in container["env"] if e["name"] == "KFIT_PS_TASK_INDEX"]
+            assert index_env["valueFrom"]["fieldRef"]["fieldPath"] == (
+                "metadata.labels['apps.kubernetes.io/pod-index']")
+            assert obj["spec"]["serviceName"] in services
         assert parsed.num_tasks("worker") == 4 and parsed.num_tasks("ps") == 2
         for kind in ("chief", "worker", "ps", "evaluator"):
             for i, address in enumerate(parsed.cluster[kind]):
                 host, port = address.rsplit(":", 1)
-                assert host == f"ctr-{kind}-{i}.ml.svc" and port == "2222"
-                assert f"ctr-{kind}-{i}" in services  # a stable name behind every address
+                service = f"ctr-{kind}" if kind in ("worker", "ps") else f"ctr-{kind}-{i}"
+                pod = f"ctr-{kind}-{i}.{service}" if kind in ("worker", "ps") else service
+                assert host == f"{pod}.ml.svc" and port == "2222"
+                assert service in services  # a stable name behind every address
+                assert services[service]["spec"]["selector"]["kfit-ps/type"] == kind
         assert container["volumeMounts"] == [{"name": "shared", "mountPath": "/shared"}]
-    assert seen == set(config.tasks())
+    assert sorted(seen) == sorted(config.tasks())  # every task exactly once
+
+
+def test_pods_are_hardened_and_request_resources():
+    for obj, spec in pod_specs(render(job())):
+        [container] = spec["containers"]
+        assert spec["automountServiceAccountToken"] is False
+        assert spec["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+        assert container["securityContext"] == {"allowPrivilegeEscalation": False,
+                                                "capabilities": {"drop": ["ALL"]}}
+        requests = container["resources"]["requests"]
+        assert set(requests) == {"cpu", "memory"}  # never BestEffort
+    objects = {o["metadata"]["name"]: o for o in render(job()) if o["kind"] == "StatefulSet"}
+    worker = objects["ctr-worker"]["spec"]["template"]["spec"]["containers"][0]
+    assert worker["resources"] == {"requests": {"cpu": "2",
+                                                "memory": DEFAULT_REQUESTS["worker"]["memory"]}}
+    ps = objects["ctr-ps"]["spec"]["template"]["spec"]["containers"][0]
+    assert ps["resources"] == {"requests": {"cpu": "1", "memory": "8Gi"}}
+    assert ps["readinessProbe"]["tcpSocket"] == {"port": "grpc"}
+    assert ps["livenessProbe"]["tcpSocket"] == {"port": "grpc"}
+    budgets = [o for o in render(job()) if o["kind"] == "PodDisruptionBudget"]
+    assert [b["spec"]["selector"]["matchLabels"]["kfit-ps/type"] for b in budgets] == [
+        "worker", "ps"]
+    assert all(b["spec"]["maxUnavailable"] == 1 for b in budgets)
 
 
 def test_restart_policies_match_the_fault_tolerance_semantics():
-    objects = {obj["metadata"]["name"]: obj for obj in render(job())
-               if obj["kind"] in ("Deployment", "Job")}
-    worker = objects["ctr-worker-3"]["spec"]["template"]["spec"]
-    assert worker["restartPolicy"] == "Always"
-    assert worker["containers"][0]["command"][:4] == ["kfit-ps", "run", "--tasks", "worker:3"]
-    assert worker["containers"][0]["resources"] == {"requests": {"cpu": "2"}}
-    assert objects["ctr-ps-1"]["spec"]["template"]["spec"]["containers"][0]["resources"] == {
-        "requests": {"cpu": "1", "memory": "8Gi"}}
+    objects = {obj["metadata"]["name"]: obj for obj in render(job(grace=25))
+               if obj["kind"] in ("StatefulSet", "Job")}
+    for name in ("ctr-worker", "ctr-ps"):
+        assert objects[name]["spec"]["template"]["spec"]["restartPolicy"] == "Always"
+        assert objects[name]["spec"]["podManagementPolicy"] == "Parallel"
     chief = objects["ctr-chief-0"]["spec"]
     command = chief["template"]["spec"]["containers"][0]["command"]
     assert command[:4] == ["kfit-ps", "run", "--tasks", "chief:0"]
     assert command[command.index("--backup-dir") + 1] == "/shared/backup"
+    assert command[command.index("--grace") + 1] == "25"
     assert command[command.index("--"):] == ["--", "python", "/app/t.py"]
     assert chief["template"]["spec"]["restartPolicy"] == "Never"
-    [fail, ignore] = chief["podFailurePolicy"]["rules"]
-    # A failing program ends the Job; status 75 (a ClusterError) and lost pods are retried.
-    assert fail["action"] == "FailJob" and fail["onExitCodes"]["operator"] == "NotIn"
-    assert fail["onExitCodes"]["values"] == [0, 75]
-    assert ignore["action"] == "Ignore"
+    assert chief["template"]["spec"]["terminationGracePeriodSeconds"] == 35
+    assert chief["podReplacementPolicy"] == "Failed"
+    assert chief["podFailurePolicy"]["rules"] == exit_status.pod_failure_rules("chief")
+
+
+def first_matching_rule(rules, exit_code, conditions=()):
+    """The action Kubernetes' Job controller takes for a failed chief pod.
+
+    As documented for `podFailurePolicy`: the rules are tried in order and the first
+    that matches decides; `onExitCodes` looks at the named container's exit code (a
+    code of 0 never matches); `onPodConditions` at the pod's conditions. A failed pod
+    that no rule matches is counted against `backoffLimit` ("Count").
+    """
+    if exit_code == 0:
+        return "Succeeded"  # Not a failure: the policy is not consulted.
+    for rule in rules:
+        on_codes = rule.get("onExitCodes")
+        if on_codes is not None:
+            assert on_codes["containerName"] == "chief"
+            values = on_codes["values"]
+            assert values == sorted(set(values))  # the API's rule for `values`
+            assert 0 not in values or on_codes["operator"] == "NotIn"  # likewise
+            inside = exit_code in values
+            if inside == (on_codes["operator"] == "In"):
+                return rule["action"]
+        for condition in rule.get("onPodConditions", []):
+            if (condition["type"], condition["status"]) in conditions:
+                return rule["action"]
+    return "Count"
+
+
+DISRUPTED = {("DisruptionTarget", "True")}
+
+
+@pytest.mark.parametrize("case, exit_code, conditions, action", [
+    ("the script finished", 0, (), "Succeeded"),
+    ("the program failed (an exception)", 1, (), "FailJob"),
+    ("a bad argument (argparse)", 2, (), "FailJob"),
+    ("a cluster loss the launcher could not ride out", exit_status.CLUSTER_ERROR, (), "Count"),
+    ("the launcher's restart budget is spent", exit_status.RESTARTS_EXHAUSTED, (), "FailJob"),
+    ("SIGTERM during a node drain", exit_status.PREEMPTED, DISRUPTED, "Ignore"),
+    ("SIGTERM after a spot preemption, killed at the deadline", exit_status.KILLED, DISRUPTED,
+     "Ignore"),
+    ("SIGTERM without a disruption condition (kubectl delete pod)", exit_status.PREEMPTED, (),
+     "Count"),
+    ("SIGKILL by the kernel's OOM killer", exit_status.KILLED, (), "Count"),
+    ("a segfault", 139, (), "FailJob"),
+])
+def test_chief_pod_failure_policy_under_the_first_match_rule(case, exit_code, conditions,
+                                                             action):
+    [chief] = [o for o in render(job()) if o["kind"] == "Job" and
+               o["metadata"]["name"] == "ctr-chief-0"]
+    rules = chief["spec"]["podFailurePolicy"]["rules"]
+    assert first_matching_rule(rules, exit_code, conditions) == action, case
 
 
 def test_network_policy_admits_only_the_jobs_pods_on_the_server_port():
@@ -115,9 +223,8 @@ def test_cli_prints_valid_yaml():
         capture_output=True, text=True, env=helpers.chief_env(), cwd=helpers.ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     objects = list(yaml.safe_load_all(proc.stdout))
-    assert len(objects) == 8 + 6 + 2 + 1
-    for obj in objects:
-        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    assert len(objects) == 4 + 2 + 2 + 2 + 1
+    validate(objects)
     bad = subprocess.run([sys.executable, "-m", "kfit_ps.cli.main", "manifests", "--name", "x",
                           "--image", "i", "--cpu", "gpu=1", "--", "python", "t.py"],
                          capture_output=True, text=True, env=helpers.chief_env(),

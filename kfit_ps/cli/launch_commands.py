@@ -70,7 +70,9 @@ def cmd_run(args, parser):
         config = LaunchConfig(command=_chief_command(args), num_workers=args.workers,
                               num_ps=args.ps, max_restarts=args.max_restarts,
                               backup_dir=args.backup_dir, save_freq=args.save_freq,
-                              run_dir=args.run_dir, tasks=tasks)
+                              run_dir=args.run_dir, tasks=tasks, backoff=args.backoff,
+                              max_backoff=args.max_backoff, grace=args.grace,
+                              healthy_period=args.healthy_period)
     except ValueError as e:
         parser.error(str(e))
     return Supervisor(config).run()
@@ -102,7 +104,8 @@ def cmd_manifests(args, parser):
             num_ps=args.ps, namespace=args.namespace, port=args.port, claim=args.claim,
             evaluator_command=shlex.split(args.evaluator) if args.evaluator else None,
             backup_dir=args.backup_dir, save_freq=args.save_freq,
-            max_restarts=args.max_restarts, cpu=_resources(parser, "--cpu", args.cpu),
+            max_restarts=args.max_restarts, grace=args.grace,
+            cpu=_resources(parser, "--cpu", args.cpu),
             memory=_resources(parser, "--memory", args.memory))
     except ValueError as e:
         parser.error(str(e))
@@ -120,6 +123,18 @@ def add_parsers(sub):
     run.add_argument("--ps", type=int, default=constants.env_int(constants.PS_ENV, 1))
     run.add_argument("--max-restarts", type=int, default=3,
                      help="restarts allowed per task before the job fails (default 3)")
+    run.add_argument("--backoff", type=float, default=1.0,
+                     help="seconds before a task's first restart; doubles with each further "
+                          "one (default 1)")
+    run.add_argument("--max-backoff", type=float, default=30.0,
+                     help="longest wait before a restart, in seconds (default 30)")
+    run.add_argument("--healthy-period", type=float, default=600.0,
+                     help="seconds without a failure after which a task's restart budget is "
+                          "full again (default 600)")
+    run.add_argument("--grace", type=float, default=20.0,
+                     help="seconds the chief gets after SIGTERM to finish its steps in flight "
+                          "and write a final backup (default 20; Kubernetes allows 30 unless "
+                          "told otherwise)")
     run.add_argument("--backup-dir", default=None,
                      help="fit backs up here and resumes from it after a restart")
     run.add_argument("--save-freq", default="epoch", type=_save_freq,
@@ -138,8 +153,8 @@ def add_parsers(sub):
 
     manifests = sub.add_parser(
         "manifests", help="print the Kubernetes manifests of a job (YAML)",
-        description="Renders Services, Deployments (workers, ps), Jobs (chief, evaluator) and "
-                    "a NetworkPolicy; apply with `kubectl apply -f -`.")
+        description="Renders Services, StatefulSets (workers, ps), Jobs (chief, evaluator), "
+                    "PodDisruptionBudgets and a NetworkPolicy; apply with `kubectl apply -f -`.")
     manifests.add_argument("--name", required=True, help="the job's name (a DNS label)")
     manifests.add_argument("--image", required=True, help="container image")
     manifests.add_argument("--workers", type=int, default=2)
@@ -153,6 +168,9 @@ def add_parsers(sub):
     manifests.add_argument("--save-freq", default=100, type=_save_freq,
                            help="the chief's backup frequency (default 100 steps)")
     manifests.add_argument("--max-restarts", type=int, default=3)
+    manifests.add_argument("--grace", type=int, default=20,
+                           help="seconds the chief gets after SIGTERM to save (default 20); "
+                                "its pod's terminationGracePeriodSeconds is this + 10")
     manifests.add_argument("--evaluator", default=None,
                            help='the evaluator\'s command, e.g. "kfit-ps evaluator '
                                 '--checkpoint-dir /shared/ckpt --model-fn m:f --data-fn m:g"')

@@ -29,6 +29,12 @@ class LaunchConfig:
             further restart of it, up to `max_backoff`. Defaults to 1.0 and 30.0.
         ps_failure_grace: seconds the chief gets to stop by itself (its `fit`
             raises `ParameterServerError`) after a ps is lost. Defaults to 60.
+        grace: seconds the chief gets, after a SIGTERM to the launcher, to
+            finish its steps in flight and write a final backup before it is
+            killed. Defaults to 20 (Kubernetes kills a pod 30 s after its
+            SIGTERM unless `terminationGracePeriodSeconds` says otherwise).
+        healthy_period: seconds after which a task's restart budget is full
+            again if it has not failed since. Defaults to 600.
     """
 
     command: tuple = ()
@@ -42,6 +48,8 @@ class LaunchConfig:
     backoff: float = 1.0
     max_backoff: float = 30.0
     ps_failure_grace: float = 60.0
+    grace: float = 20.0
+    healthy_period: float = 600.0
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -57,7 +65,7 @@ class LaunchConfig:
             set_("save_freq", validation.check_int(
                 "save_freq", self.save_freq, 1, owner="LaunchConfig",
                 hint="(--save-freq) Pass 'epoch' or a number of steps."))
-        for name in ("backoff", "max_backoff", "ps_failure_grace"):
+        for name in ("backoff", "max_backoff", "ps_failure_grace", "grace", "healthy_period"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"LaunchConfig: `{name}` must be a number of seconds >= 0. "

@@ -3,34 +3,57 @@
 Kubeflow's Trainer v2 no longer runs TensorFlow jobs, so `TF_CONFIG` is ours
 to write. `render(ManifestConfig(...))` returns the objects of one job:
 
-- one headless `Service` per task, `<name>-<type>-<index>`: the task's stable
-  DNS name `<name>-<type>-<index>.<namespace>.svc`, whatever pod runs it;
-- each worker and ps: a one-replica `Deployment` (restarted wherever a node
-  fails; `restartPolicy: Always`) running `kfit-ps run --tasks <type>:<index>`,
-  which restarts the server process itself within the pod;
+- workers and ps: one `StatefulSet` per task type (`<name>-worker`,
+  `<name>-ps`), which never runs two pods for one task (a TensorFlow task
+  registered twice breaks the cluster) and reschedules a pod whose node was
+  lost. Pod `i` runs `kfit-ps run --tasks <type>:<i>`, which restarts the
+  server process itself within the pod; its index comes from the pod's
+  `apps.kubernetes.io/pod-index` label. A headless `Service` per type gives
+  each pod its stable DNS name `<name>-<type>-<i>.<name>-<type>.<namespace>.svc`.
+  Readiness and liveness probes check the server's port;
 - the chief: a `Job` running `kfit-ps run --tasks chief:0 --backup-dir ...
-  -- <command>`. Its pod failure policy ends the Job when the chief exits with
-  a status other than 0 or 75: a failure of the program is not retried,
-  while a pod lost with its node is (up to `backoffLimit`);
+  -- <command>`, behind its own headless `Service`. Its `podFailurePolicy` is
+  `kfit_ps.exit_status.pod_failure_rules`: a pod disrupted by Kubernetes
+  (drain, preemption) is ignored and replaced, a retry status is counted
+  against `backoffLimit`, a program error fails the Job. `podReplacementPolicy:
+  Failed` starts a new chief only once the old one is gone, and
+  `terminationGracePeriodSeconds` leaves the chief its `--grace` to save;
 - the evaluator (optional): a `Job` running its command;
+- a `PodDisruptionBudget` per server type: a drain takes at most one worker
+  and one ps at a time;
 - a `NetworkPolicy` that admits traffic to the server port only from the
   job's own pods (TensorFlow servers have no authentication).
 
-Every pod gets the same cluster in `TF_CONFIG` and its own task. A shared
-volume (an existing PersistentVolumeClaim) can be mounted in every pod for
-backups and checkpoints.
+Every pod gets the same cluster in `TF_CONFIG` and its own task, resource
+requests (`DEFAULT_REQUESTS` unless given), no service-account token, and a
+restrictive security context. A shared volume (an existing
+PersistentVolumeClaim) can be mounted in every pod for backups and
+checkpoints. Deleting the job is `kubectl delete all,pdb,networkpolicy -l
+kfit-ps/job=<name>`: the StatefulSets run until then.
 """
 
 import dataclasses
 import json
 import re
 
-from kfit_ps import validation
-from kfit_ps.errors import EXIT_CLUSTER_ERROR
+from kfit_ps import exit_status, validation
 
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 LABEL = "kfit-ps/job"
-TASK_LABEL = "kfit-ps/task"
+TYPE_LABEL = "kfit-ps/type"
+SERVER_TYPES = ("worker", "ps")
+# The pod's index in its StatefulSet, from the label Kubernetes sets (GA in 1.32).
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+INDEX_ENV = "KFIT_PS_TASK_INDEX"
+# Requests of a task type when the config gives none: a pod without requests is
+# BestEffort, the first one Kubernetes evicts under memory pressure.
+DEFAULT_REQUESTS = {"chief": {"cpu": "1", "memory": "2Gi"},
+                    "worker": {"cpu": "2", "memory": "4Gi"},
+                    "ps": {"cpu": "1", "memory": "4Gi"},
+                    "evaluator": {"cpu": "1", "memory": "2Gi"}}
+# Seconds Kubernetes waits after the chief's SIGTERM beyond its `--grace`, for the
+# launcher to stop the servers of its pod.
+_SHUTDOWN_MARGIN = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +76,13 @@ class ManifestConfig:
             with a claim, else None.
         save_freq: the chief's `--save-freq`. Defaults to 100.
         max_restarts: `--max-restarts` of each pod's launcher. Defaults to 3.
-        backoff_limit: pod restarts of the chief's Job (pods lost with their
-            node). Defaults to 6.
+        backoff_limit: chief pods the Job replaces after a retry status (a
+            disruption is not counted). Defaults to 6.
+        grace: the chief's `--grace`: seconds to save after SIGTERM. The chief
+            pod's `terminationGracePeriodSeconds` is this plus 10. Defaults to 20.
         cpu, memory: resource requests per task type, e.g.
-            `{"worker": "2", "ps": "1", "chief": "1"}`; missing types request nothing.
+            `{"worker": "2", "ps": "1", "chief": "1"}`; a type not given gets
+            `DEFAULT_REQUESTS`.
     """
 
     name: str
@@ -73,6 +99,7 @@ class ManifestConfig:
     save_freq: object = 100
     max_restarts: int = 3
     backoff_limit: int = 6
+    grace: int = 20
     cpu: dict = dataclasses.field(default_factory=dict)
     memory: dict = dataclasses.field(default_factory=dict)
 
@@ -95,7 +122,7 @@ class ManifestConfig:
         if self.evaluator_command is not None:
             set_("evaluator_command", tuple(str(c) for c in self.evaluator_command))
         for field, minimum in (("num_workers", 1), ("num_ps", 1), ("port", 1),
-                               ("max_restarts", 0), ("backoff_limit", 0)):
+                               ("max_restarts", 0), ("backoff_limit", 0), ("grace", 0)):
             set_(field, validation.check_int(field, getattr(self, field), minimum,
                                              owner="ManifestConfig"))
         if self.backup_dir is None and self.claim:
@@ -107,24 +134,39 @@ class ManifestConfig:
         tasks += [("ps", i) for i in range(self.num_ps)]
         return tasks + ([("evaluator", 0)] if self.evaluator_command else [])
 
-    def service_name(self, task_type, index):
+    def service_name(self, task_type, index=0):
+        """The headless Service behind a task: one per server type, one per other task."""
+        if task_type in SERVER_TYPES:
+            return f"{self.name}-{task_type}"
         return f"{self.name}-{task_type}-{index}"
 
     def address(self, task_type, index):
         """The task's stable DNS name and port."""
-        return f"{self.service_name(task_type, index)}.{self.namespace}.svc:{self.port}"
+        host = f"{self.name}-{task_type}-{index}"
+        if task_type in SERVER_TYPES:  # The StatefulSet's pod, under its Service.
+            host = f"{host}.{self.service_name(task_type)}"
+        return f"{host}.{self.namespace}.svc:{self.port}"
 
     def tf_config(self, task_type, index):
+        """`TF_CONFIG` for a task; `index` may be a string spliced in as is (`$(VAR)`)."""
         cluster = {}
         for kind, i in self.tasks():
             cluster.setdefault(kind, []).append(self.address(kind, i))
-        return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})
+        text = json.dumps({"cluster": cluster, "task": {"type": task_type, "index": -1}})
+        return text.replace('"index": -1', f'"index": {index}')
+
+    def requests(self, task_type):
+        requests = dict(DEFAULT_REQUESTS[task_type])
+        for key in ("cpu", "memory"):
+            if task_type in getattr(self, key):
+                requests[key] = str(getattr(self, key)[task_type])
+        return requests
 
 
-def _labels(config, task_type=None, index=None):
+def _labels(config, task_type=None):
     labels = {LABEL: config.name, "app.kubernetes.io/managed-by": "kfit-ps"}
     if task_type is not None:
-        labels[TASK_LABEL] = f"{task_type}-{index}"
+        labels[TYPE_LABEL] = task_type
     return labels
 
 
@@ -132,70 +174,86 @@ def _metadata(config, name, labels):
     return {"name": name, "namespace": config.namespace, "labels": labels}
 
 
-def _container(config, task_type, index, command):
+def _container(config, task_type, env, command):
     container = {
         "name": task_type, "image": config.image, "command": list(command),
-        "env": [{"name": "TF_CONFIG", "value": config.tf_config(task_type, index)},
-                {"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "env": env + [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "resources": {"requests": config.requests(task_type)},
+        "securityContext": {"allowPrivilegeEscalation": False,
+                            "capabilities": {"drop": ["ALL"]}},
     }
-    if task_type in ("worker", "ps"):
+    if task_type in SERVER_TYPES:
         container["ports"] = [{"name": "grpc", "containerPort": config.port}]
-    requests = {key: str(getattr(config, key)[task_type]) for key in ("cpu", "memory")
-                if task_type in getattr(config, key)}
-    if requests:
-        container["resources"] = {"requests": requests}
+        probe = {"tcpSocket": {"port": "grpc"}}
+        container["readinessProbe"] = dict(probe, periodSeconds=5)
+        # The launcher in the pod restarts a server that exits; the probe catches a pod
+        # whose port stays closed for a minute (a launcher that cannot start its server).
+        container["livenessProbe"] = dict(probe, initialDelaySeconds=60, periodSeconds=10,
+                                          failureThreshold=6)
     if config.claim:
         container["volumeMounts"] = [{"name": "shared", "mountPath": config.mount_path}]
     return container
 
 
-def _pod_spec(config, task_type, index, command, restart_policy):
-    spec = {"restartPolicy": restart_policy,
-            "containers": [_container(config, task_type, index, command)]}
+def _pod_spec(config, container, restart_policy):
+    spec = {"restartPolicy": restart_policy, "automountServiceAccountToken": False,
+            "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [container]}
     if config.claim:
         spec["volumes"] = [{"name": "shared",
                             "persistentVolumeClaim": {"claimName": config.claim}}]
     return spec
 
 
-def _service(config, task_type, index):
+def _service(config, task_type, index=0):
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": _metadata(config, config.service_name(task_type, index),
-                                  _labels(config, task_type, index)),
-            "spec": {"clusterIP": "None", "selector": _labels(config, task_type, index),
+                                  _labels(config, task_type)),
+            "spec": {"clusterIP": "None", "selector": _labels(config, task_type),
+                     "publishNotReadyAddresses": True,
                      "ports": [{"name": "grpc", "port": config.port,
                                 "targetPort": config.port}]}}
 
 
-def _server(config, task_type, index):
-    labels = _labels(config, task_type, index)
-    command = ["kfit-ps", "run", "--tasks", f"{task_type}:{index}",
+def _servers(config, task_type, replicas):
+    """A StatefulSet of one server type: pod `i` is task `<type>:<i>`."""
+    labels = _labels(config, task_type)
+    env = [{"name": INDEX_ENV, "valueFrom": {"fieldRef": {
+               "fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}},
+           {"name": "TF_CONFIG", "value": config.tf_config(task_type, f"$({INDEX_ENV})")}]
+    command = ["kfit-ps", "run", "--tasks", f"{task_type}:$({INDEX_ENV})",
                "--max-restarts", str(config.max_restarts)]
-    return {"apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": _metadata(config, config.service_name(task_type, index), labels),
-            "spec": {"replicas": 1, "strategy": {"type": "Recreate"},
+    container = _container(config, task_type, env, command)
+    return {"apiVersion": "apps/v1", "kind": "StatefulSet",
+            "metadata": _metadata(config, config.service_name(task_type), labels),
+            "spec": {"replicas": replicas, "serviceName": config.service_name(task_type),
+                     "podManagementPolicy": "Parallel",
                      "selector": {"matchLabels": labels},
                      "template": {"metadata": {"labels": labels},
-                                  "spec": _pod_spec(config, task_type, index, command,
-                                                    "Always")}}}
+                                  "spec": _pod_spec(config, container, "Always")}}}
 
 
-def _job(config, task_type, command, failure_policy):
-    labels = _labels(config, task_type, 0)
+def _job(config, task_type, command, chief):
+    labels = _labels(config, task_type)
+    env = [{"name": "TF_CONFIG", "value": config.tf_config(task_type, 0)}]
+    container = _container(config, task_type, env, command)
+    pod = _pod_spec(config, container, "Never" if chief else "OnFailure")
     spec = {"backoffLimit": config.backoff_limit,
-            "template": {"metadata": {"labels": labels},
-                         "spec": _pod_spec(config, task_type, 0, command,
-                                           "Never" if failure_policy else "OnFailure")}}
-    if failure_policy:
-        spec["podFailurePolicy"] = {"rules": [
-            {"action": "FailJob", "onExitCodes": {
-                "containerName": task_type, "operator": "NotIn",
-                "values": [0, EXIT_CLUSTER_ERROR]}},
-            {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget",
-                                                     "status": "True"}]}]}
+            "template": {"metadata": {"labels": labels}, "spec": pod}}
+    if chief:
+        pod["terminationGracePeriodSeconds"] = config.grace + _SHUTDOWN_MARGIN
+        spec["podReplacementPolicy"] = "Failed"
+        spec["podFailurePolicy"] = {"rules": exit_status.pod_failure_rules(task_type)}
     return {"apiVersion": "batch/v1", "kind": "Job",
             "metadata": _metadata(config, config.service_name(task_type, 0), labels),
             "spec": spec}
+
+
+def _disruption_budget(config, task_type):
+    labels = _labels(config, task_type)
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": _metadata(config, config.service_name(task_type), labels),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": labels}}}
 
 
 def _network_policy(config):
@@ -209,15 +267,19 @@ def _network_policy(config):
 
 def render(config):
     """The job's Kubernetes objects, as dicts (see the module doc)."""
-    objects = [_service(config, t, i) for t, i in config.tasks()]
-    objects += [_server(config, t, i) for t, i in config.tasks() if t in ("worker", "ps")]
-    chief = ["kfit-ps", "run", "--tasks", "chief:0", "--max-restarts", str(config.max_restarts)]
+    counts = {"worker": config.num_workers, "ps": config.num_ps}
+    objects = [_service(config, "chief")] + [_service(config, t) for t in SERVER_TYPES]
+    if config.evaluator_command:
+        objects.append(_service(config, "evaluator"))
+    objects += [_servers(config, t, counts[t]) for t in SERVER_TYPES]
+    chief = ["kfit-ps", "run", "--tasks", "chief:0", "--max-restarts", str(config.max_restarts),
+             "--grace", str(config.grace)]
     if config.backup_dir:
         chief += ["--backup-dir", config.backup_dir, "--save-freq", str(config.save_freq)]
-    objects.append(_job(config, "chief", chief + ["--", *config.command], failure_policy=True))
+    objects.append(_job(config, "chief", chief + ["--", *config.command], chief=True))
     if config.evaluator_command:
-        objects.append(_job(config, "evaluator", config.evaluator_command,
-                            failure_policy=False))
+        objects.append(_job(config, "evaluator", config.evaluator_command, chief=False))
+    objects += [_disruption_budget(config, t) for t in SERVER_TYPES]
     objects.append(_network_policy(config))
     return objects
 

@@ -5,21 +5,25 @@
 | the chief, exit code 0 | the job is done (`FINISH`) |
 | a worker | restart it at the same address; TensorFlow takes it back in the same chief |
 | a ps | its variables are gone: let the chief stop (its `fit` raises `ParameterServerError`), then restart the job |
-| the chief, killed by a signal, or with status 75 (`ClusterError`), or after a ps was lost | restart the job: every server of this host and the chief, which resumes from its last backup |
+| the chief, with a retry status (`exit_status.RETRY`: 75 `ClusterError`, 143 SIGTERM, 137 SIGKILL, 130 SIGINT, or killed by any signal), or after a ps was lost | restart the job: every server of this host and the chief, which resumes from its last backup |
 | the chief, any other status | the program failed: not retried (`FAIL` with its status) |
 
 Restarting the ps tasks with the chief is deliberate: a ps keeps the variables a
 chief created for as long as it runs, so a ps that outlived five chiefs would hold
 five copies. Each task may be restarted `max_restarts` times, after `backoff`
-seconds doubling up to `max_backoff`; one more failure fails the job with a
-summary of that task's last exit and log lines.
+seconds doubling up to `max_backoff`; one more failure fails the job with
+`exit_status.RESTARTS_EXHAUSTED` and a summary of that task's last exit and log
+lines. A task that ran `healthy_period` seconds since its last failure starts
+with a fresh budget (a week-long job is not ended by its fourth ps loss).
 """
 
 import collections
 import dataclasses
 import enum
 
-from kfit_ps.errors import EXIT_CLUSTER_ERROR
+import time
+
+from kfit_ps import exit_status
 from kfit_ps.launch.events import describe_status
 
 
@@ -42,19 +46,30 @@ class Decision:
 class RestartPolicy:
     """Decides on each `TaskExit`; counts restarts per task."""
 
-    def __init__(self, max_restarts=3, backoff=1.0, max_backoff=30.0):
+    def __init__(self, max_restarts=3, backoff=1.0, max_backoff=30.0, healthy_period=600.0,
+                 clock=time.monotonic):
         self.max_restarts, self.backoff, self.max_backoff = max_restarts, backoff, max_backoff
-        self.restarts = collections.Counter()
+        self.healthy_period, self._clock = healthy_period, clock
+        self.restarts = collections.Counter()  # failures counted against each task's budget
+        self.failures = collections.Counter()  # every failure of each task, for tasks.json
+        self._last_failure = {}
 
     def _count(self, event):
         """Counts one more failure of the event's task; a FAIL decision past the limit."""
+        now = self._clock()
+        last = self._last_failure.get(event.task)
+        if last is not None and now - last >= self.healthy_period:
+            self.restarts[event.task] = 0  # It ran healthy long enough: a fresh budget.
+        self._last_failure[event.task] = now
         self.restarts[event.task] += 1
+        self.failures[event.task] += 1
         count = self.restarts[event.task]
         if count <= self.max_restarts:
             return count, None
-        return count, Decision(Action.FAIL, exit_status=1, reason=(
-            f"{event.describe()} and has failed {count} times; giving up "
-            f"(--max-restarts {self.max_restarts}). Its last log lines:\n{event.log_tail}"))
+        return count, Decision(Action.FAIL, exit_status=exit_status.RESTARTS_EXHAUSTED, reason=(
+            f"{event.describe()} and has failed {count} times within {self.healthy_period:g} s "
+            f"of each other; giving up (--max-restarts {self.max_restarts}, exit code "
+            f"{exit_status.RESTARTS_EXHAUSTED}). Its last log lines:\n{event.log_tail}"))
 
     def _restart(self, event, action, reason):
         count, give_up = self._count(event)
@@ -82,9 +97,9 @@ class RestartPolicy:
             return Decision(Action.RESTART_JOB, delay=delay, reason=(
                 f"{event.describe()} after a ps was lost; restarting the job from its last "
                 "backup"))
-        if event.status == EXIT_CLUSTER_ERROR or event.status < 0:
-            why = ("a task it needs is unreachable" if event.status == EXIT_CLUSTER_ERROR
-                   else f"it was killed ({describe_status(event.status)})")
+        if event.status < 0 or exit_status.is_retry(event.status):
+            why = ("a task it needs is unreachable" if event.status == exit_status.CLUSTER_ERROR
+                   else f"it stopped on a signal ({describe_status(event.status)})")
             return self._restart(event, Action.RESTART_JOB,
                                  f"{why}: restarting the job from its last backup")
         return Decision(Action.FAIL, exit_status=event.status, reason=(
