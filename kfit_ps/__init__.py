@@ -44,10 +44,13 @@ from kfit_ps.launch import LaunchConfig, run  # noqa: E402
 __version__ = "0.1.0"
 
 _training.install()
-if _constants.launched():  # A chief of `kfit-ps run`: a ClusterError exits with status 75.
+if _constants.launched():  # A chief of `kfit-ps run`: a ClusterError exits with status 75,
+    # and SIGTERM stops `fit` at a safe point after a last backup (status 143).
     from kfit_ps._tf_compat import remove_autograph_files as _remove_autograph_files
+    from kfit_ps.training import preemption as _preemption
 
     errors.exit_with_status_on_cluster_error(_remove_autograph_files)
+    _preemption.install()
 
 __all__ = [
     "ClusterConfig",

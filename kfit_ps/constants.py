@@ -13,7 +13,7 @@ and `LocalCluster` passes the environment on to its servers.
 | `KFIT_PS_PARENT_POLL` | `0.5` | seconds between a server's checks that its launcher is alive |
 | `KFIT_PS_WORKER_INTER_OP_THREADS` | `0` | inter-op threads of a worker server; 0 = max(4, workers + 1, cores) |
 | `KFIT_PS_WORKER_TIMEOUT` | `300` | seconds `fit`/`evaluate`/`predict` wait while every worker is unreachable, then raise `WorkersLostError` |
-| `KFIT_PS_LAUNCHED` | unset | set by `kfit-ps run` in the chief: an uncaught `ClusterError` exits with status 75 |
+| `KFIT_PS_LAUNCHED` | unset | set by `kfit-ps run` in the chief: an uncaught `ClusterError` exits with status 75; SIGTERM stops `fit` at a safe point after a last backup (status 143, `kfit_ps.exit_status`) |
 | `KFIT_PS_BACKUP_DIR` | unset | set by `kfit-ps run --backup-dir`: `fit` adds a `BackupAndRestore` there when the script has none |
 | `KFIT_PS_BACKUP_FREQ` | `epoch` | its `save_freq` (`epoch` or a number of steps) |
 | `KFIT_PS_RUN_DIR` | unset | set by `kfit-ps run` in the chief: the run directory (logs, `tasks.json`) |

@@ -248,3 +248,62 @@ def test_a_lost_ps_stops_fit_promptly_with_a_typed_error():
     assert result["seconds"] < 60
     assert "GRPC" not in result["message"] and "BackupAndRestore" in result["message"]
     assert "GRPC error information" not in result["_stdout"] + result["_stderr"]
+
+
+# Every worker SIGKILLed at a random point of a long epoch (or evaluation), while the chief
+# schedules, folds metric results or joins: whatever it waits on, it must raise.
+LOSE_ALL_WORKERS_AT = """
+import threading
+from tests import helpers as h
+os.environ["KFIT_PS_WORKER_TIMEOUT"] = "3"
+with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+    strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse", metrics=[h.counting_metric()])
+    killed = []
+
+    def kill():
+        time.sleep(DELAY)
+        for index in (0, 1):
+            cluster.kill("worker", index)
+        killed.append(time.monotonic())
+
+    killer = threading.Thread(target=kill)
+
+    class Start(keras.callbacks.Callback):
+        def _start(self, batch, logs=None):
+            if not killer.is_alive() and not killed:
+                killer.start()
+
+        on_train_batch_begin = on_test_batch_begin = _start
+
+    data = kfit_ps.DatasetCreator(h.regression_dataset_fn())
+    try:
+        if PHASE == "evaluate":
+            model.evaluate(data, steps=100000, verbose=0, callbacks=[Start()])
+        else:
+            model.fit(data, epochs=1, steps_per_epoch=100000, verbose=0, callbacks=[Start()])
+        report(raised=None)
+    except kfit_ps.ClusterError as e:
+        report(raised=type(e).__name__, seconds=time.monotonic() - killed[0])
+os._exit(0)
+"""
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+def test_every_wait_of_the_chief_is_bounded_by_the_worker_timeout():
+    import random
+
+    rng = random.Random(23)
+    trials = [(phase, round(rng.uniform(0.2, 3.0), 2))
+              for phase in ("fit", "evaluate") for _ in range(5)]
+    outcomes = []
+    for phase, delay in trials:
+        code = LOSE_ALL_WORKERS_AT.replace("PHASE", repr(phase)).replace("DELAY", repr(delay))
+        result = helpers.run_chief(code, timeout=180)
+        outcomes.append((phase, delay, result["raised"], result.get("seconds")))
+    for phase, delay, raised, seconds in outcomes:
+        assert raised == "WorkersLostError", outcomes
+        assert 3 <= seconds < 3 + 30, outcomes  # the worker timeout, plus 30 s at most

@@ -232,3 +232,120 @@ def test_multi_host_form_each_launcher_runs_its_share(tmp_path):
         if servers.poll() is None:
             servers.kill()
     assert helpers.wait_for_no_servers(server_pids, timeout=15) == []
+
+
+# A script of several `fit`s: argv[1] is the plan, e.g. "[[2, 50], [4, 50], [1, 50]]"
+# (epochs, steps_per_epoch of each fit). It prints "EPOCH <fit> <epoch> <iterations>" as each
+# epoch begins and, at the end, each fit's History and the final iterations.
+FITS = textwrap.dedent("""
+    import json, sys
+    import keras, kfit_ps
+    from tests import helpers as h
+
+    plan = json.loads(sys.argv[1])
+    strategy = kfit_ps.ParameterServerStrategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.Dense(1)])
+        model.compile("adam", "mse", metrics=[h.counting_metric()], steps_per_execution=5)
+
+    class Report(keras.callbacks.Callback):
+        def __init__(self, fit):
+            super().__init__()
+            self.fit = fit
+
+        def on_epoch_begin(self, epoch, logs=None):
+            print("EPOCH", self.fit, epoch, int(self.model.optimizer.iterations.numpy()),
+                  flush=True)
+
+    histories = []
+    for k, (epochs, steps) in enumerate(plan, 1):
+        history = model.fit(kfit_ps.DatasetCreator(h.regression_dataset_fn()), epochs=epochs,
+                            steps_per_epoch=steps, verbose=0, callbacks=[Report(k)])
+        histories.append({"epoch": history.epoch, "batches": history.history["batches"]})
+    print("RESULT " + json.dumps({"iterations": int(model.optimizer.iterations.numpy()),
+                                  "fits": histories}), flush=True)
+""")
+
+
+def epoch_line(line):
+    """(fit, epoch, iterations) of an "EPOCH" line, else None."""
+    if "[chief] EPOCH " not in line:
+        return None
+    return tuple(int(x) for x in line.split("EPOCH ", 1)[1].split())
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+def test_a_script_of_three_fits_killed_in_the_second_resumes_into_the_second(tmp_path):
+    backup = tmp_path / "backup"
+    plan = [[2, 50], [4, 50], [1, 50]]
+    job = Job(tmp_path, "--workers", "1", "--ps", "1", "--backup-dir", str(backup),
+              "--save-freq", "25", "--backoff", "0", script=FITS, script_args=(json.dumps(plan),))
+    try:
+        # Kill the chief once fit 2 is in its second epoch (its step 50 is backed up).
+        job.read_until(lambda line: (epoch_line(line) or (0,))[:2] == (2, 1))
+        chief = job.tasks()["chief:0"]
+        os.kill(chief, signal.SIGKILL)
+        assert job.finish() == 0, "\n".join(job.lines[-40:])
+    finally:
+        if job.proc.poll() is None:
+            job.proc.kill()
+    epochs = [epoch_line(line) for line in job.lines if epoch_line(line)]
+    restart = next(i for i, e in enumerate(epochs) if i and e[:2] <= epochs[i - 1][:2])
+    first_run, rerun = epochs[:restart], epochs[restart:]
+    assert [e[:2] for e in first_run] == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    # The rerun skips fit 1 (no epoch of it runs) and resumes fit 2 in its epoch 1, at its
+    # last backup (every 25 steps: 100 of fit 1 + 50 of epoch 0 + 0, 25 or 50)...
+    assert rerun[0][:2] == (2, 1) and rerun[0][2] in (150, 175, 200), rerun
+    assert [e[:2] for e in rerun] == [(2, 1), (2, 2), (2, 3), (3, 0)]
+    assert rerun[-1][2] == 300  # ...and fit 3 starts after fit 2's 200 steps.
+    result = job.result()
+    assert result["iterations"] == 350  # not 450: fit 1 was not trained again
+    # Fit 1 returns its History from the first run; fit 2 its epochs of the rerun.
+    assert result["fits"][0] == {"epoch": [0, 1], "batches": [50.0, 50.0]}
+    assert result["fits"][1]["epoch"][-2:] == [2, 3]
+    assert result["fits"][2] == {"epoch": [0], "batches": [50.0]}
+    assert any("fit 1 completed in an earlier run" in line for line in job.lines)
+    assert not backup.exists()  # deleted only once the script exited 0
+    assert job.left_running() == []
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+def test_sigterm_saves_the_steps_in_flight_and_the_rerun_loses_none(tmp_path):
+    backup = tmp_path / "backup"
+    flags = ("--workers", "1", "--ps", "1", "--backup-dir", str(backup), "--grace", "60")
+    plan = json.dumps([[1, 8000]])  # one long epoch, backed up only at its end
+    job = Job(tmp_path, *flags, script=FITS, script_args=(plan,))
+    try:
+        job.read_until(lambda line: epoch_line(line) == (1, 0, 0))
+        time.sleep(random.Random(7).uniform(1.5, 3.0))
+        started = time.monotonic()
+        job.proc.send_signal(signal.SIGTERM)  # the launcher, as Kubernetes does
+        status = job.finish(timeout=120)
+        took = time.monotonic() - started
+    finally:
+        if job.proc.poll() is None:
+            job.proc.kill()
+    assert status == 143, "\n".join(job.lines[-40:])
+    assert took < 60
+    stopped = [line for line in job.lines if "fit stopped on SIGTERM after step" in line]
+    assert len(stopped) == 1, "\n".join(job.lines[-40:])
+    saved = int(stopped[0].split("after step ", 1)[1].split()[0])
+    assert 0 < saved < 8000, stopped
+    assert any("the chief stopped with exit code 143" in line for line in job.lines)
+    assert job.left_running() == []
+    # The rerun resumes at exactly the step the SIGTERM stopped at: no step lost or redone.
+    (tmp_path / "again").mkdir()
+    rerun = Job(tmp_path / "again", *flags, script=FITS, script_args=(plan,))
+    try:
+        assert rerun.finish() == 0, "\n".join(rerun.lines[-40:])
+    finally:
+        if rerun.proc.poll() is None:
+            rerun.proc.kill()
+    [first] = [epoch_line(line) for line in rerun.lines if epoch_line(line)]
+    assert first == (1, 0, saved)
+    assert rerun.result()["iterations"] == 8000
+    assert rerun.result()["fits"][0]["batches"] == [8000.0 - saved]  # this run's steps
+    assert rerun.left_running() == []

@@ -238,19 +238,30 @@ def test_backup_with_a_corrupt_marker_falls_back_to_the_previous_one(strategy, t
         "backup-00000006.weights.h5", "backup-00000006.weights.h5.kfit_ps.json"]
 
 
-def test_backup_dir_without_any_complete_backup_is_an_error_and_kept(strategy, tmp_path):
+def test_backup_dir_without_any_complete_backup_starts_over_with_a_warning(strategy, tmp_path,
+                                                                          caplog):
+    # A job killed while writing its first backup: a restart must train, not fail.
     backup_dir = tmp_path / "backup"
     data = crashed_backup(strategy, backup_dir)
     marker = backup_dir / "backup-00000003.weights.h5.kfit_ps.json"
     marker.write_text("not json")
-    before = sorted(p.name for p in backup_dir.iterdir())
     fresh, _ = model_and_data(strategy, optimizer="adam")
-    with pytest.raises(RuntimeError) as e:
-        fresh.fit(data, epochs=3, steps_per_epoch=5, verbose=0, callbacks=[
-            kfit_ps.callbacks.BackupAndRestore(str(backup_dir), save_freq=3)])
-    assert str(marker) in str(e.value) and "Nothing was deleted" in str(e.value)
-    assert sorted(p.name for p in backup_dir.iterdir()) == before
-    assert int(fresh.optimizer.iterations.numpy()) == 0
+    seen = {}
+
+    class Begin(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            seen.setdefault("iterations", int(fresh.optimizer.iterations.numpy()))
+            seen.setdefault("files", sorted(p.name for p in backup_dir.iterdir()))
+
+    with caplog.at_level("WARNING", logger="kfit_ps"):
+        history = fresh.fit(data, epochs=3, steps_per_epoch=5, verbose=0, callbacks=[
+            kfit_ps.callbacks.BackupAndRestore(str(backup_dir), save_freq=3,
+                                               delete_checkpoint=False), Begin()])
+    assert seen["iterations"] == 0 and history.epoch == [0, 1, 2]
+    assert "backup-00000003.weights.h5" in seen["files"]  # nothing removed before a new one
+    assert str(marker) in caplog.text and "starts from the beginning" in caplog.text
+    assert int(fresh.optimizer.iterations.numpy()) == 15
+    assert "backup-00000003.weights.h5" not in [p.name for p in backup_dir.iterdir()]
 
 
 def test_a_backup_whose_write_never_finished_is_skipped(strategy, tmp_path):

@@ -14,6 +14,8 @@ from kfit_ps._tf_compat.eager_context import (
     forget_servers,
     track_coordinator,
     wait_for_closures,
+    cancel_queued_closures,
+    remote_value_ready,
 )
 from kfit_ps._tf_compat.keras_variables import (
     install_atomic_updates,
@@ -86,4 +88,6 @@ __all__ = [
     "symbolic_build",
     "track_coordinator",
     "wait_for_closures",
+    "cancel_queued_closures",
+    "remote_value_ready",
 ]

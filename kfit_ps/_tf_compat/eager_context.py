@@ -24,6 +24,7 @@ crash or a hang.
 
 import gc
 import logging
+import queue
 import time
 import weakref
 
@@ -122,3 +123,32 @@ def wait_for_closures(coordinator, timeout):
     Raises what `join()` raises (the first error of a scheduled function).
     """
     return coordinator._cluster.closure_queue.wait(timeout=timeout)
+
+
+def cancel_queued_closures(coordinator):
+    """Drops the functions scheduled on `coordinator` that no worker has started; returns
+    how many, the most recently scheduled ones (TensorFlow's queue is first in, first out).
+
+    Each dropped function's result becomes a `CancelledError`, as when TensorFlow
+    cancels its queue after an error; functions running on a worker finish as usual,
+    so a following `join()` waits for those only.
+    """
+    closures = coordinator._cluster.closure_queue
+    cancelled = 0
+    with closures._queue_lock:
+        while True:
+            try:
+                closure = closures._queue.get(block=False)
+            except queue.Empty:
+                break
+            closures._queue_free_slot_condition.notify()
+            closure.mark_cancelled()
+            cancelled += 1
+        closures._stop_waiting_condition.notify_all()
+    return cancelled
+
+
+def remote_value_ready(remote_value, timeout):
+    """Waits at most `timeout` s for a scheduled function's result; True once it is there
+    (a value or an error: `fetch()` then returns or raises at once)."""
+    return remote_value._status_available_event.wait(timeout)

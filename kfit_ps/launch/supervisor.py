@@ -10,13 +10,22 @@ decision; this module only carries it out:
   does not within `ps_failure_grace`, it is stopped; then the job restarts;
 - a job restart stops the chief, restarts every server of this host and
   starts the chief again, which resumes from its last backup;
-- Ctrl-C or SIGTERM stops everything within seconds; if the supervisor itself
-  is killed, the servers (which watch it) and the chief (parent-death signal)
+- SIGTERM (a drain or preemption on Kubernetes) is forwarded to the chief,
+  which finishes the steps in flight, writes a final backup and exits
+  (`kfit_ps.training.preemption`); after `grace` seconds it is killed. Then
+  every server stops and the supervisor exits with `exit_status.PREEMPTED`.
+  Ctrl-C stops everything within seconds. Both are honoured at every point,
+  starting and restarting servers included. If the supervisor itself is
+  killed, the servers (which watch it) and the chief (parent-death signal)
   follow it.
+- when the chief finishes (status 0), the `--backup-dir` is deleted: the
+  backups belong to the whole script (each `fit` keeps its final state there,
+  so a rerun skips the `fit`s that completed), not to one `fit`.
 
-`run_dir/tasks.json` always lists the current process of each task. The
-exit status is the chief's (0 when it finished), 1 when a task failed more
-often than allowed, 128 + the signal when stopped by one.
+`run_dir/tasks.json` always lists the current process of each task. The exit
+status (`kfit_ps.exit_status`) is the chief's when it finished or failed,
+`RESTARTS_EXHAUSTED` when a task failed more often than allowed, 128 + the
+signal when stopped by one.
 """
 
 import json
@@ -27,7 +36,7 @@ import tempfile
 import threading
 import time
 
-from kfit_ps import constants
+from kfit_ps import constants, exit_status
 from kfit_ps.cluster.local import LocalCluster
 from kfit_ps.cluster.spec import ClusterConfig
 from kfit_ps.launch import chief_process
@@ -38,13 +47,17 @@ CHIEF = "chief:0"
 JOB = "the job"
 
 
+class _StopRequested(Exception):
+    """A stop signal arrived while the supervisor was busy starting processes."""
+
+
 class Supervisor:
     """Runs one `LaunchConfig` to the end; see the module doc."""
 
     def __init__(self, config, policy=None, out=None):
         self.config = config
         self.policy = policy or RestartPolicy(config.max_restarts, config.backoff,
-                                              config.max_backoff)
+                                              config.max_backoff, config.healthy_period)
         self.out = out or sys.stdout
         self.run_dir = config.run_dir or tempfile.mkdtemp(prefix="kfit_ps-run-")
         self.cluster = None
@@ -54,6 +67,7 @@ class Supervisor:
         self._server_lost = False  # a ps was lost since the current chief started
         self._ps_lost_at = None
         self._due = {}  # task (or JOB) -> when to restart it: back-offs never block the loop
+        self._busy = False  # starting processes: a stop signal interrupts at once
 
     def say(self, message):
         print(f"kfit-ps run: {message}", file=self.out, flush=True)
@@ -66,6 +80,8 @@ class Supervisor:
         try:
             self._start()
             return self._loop()
+        except _StopRequested:  # While servers were starting: the chief may be running.
+            return self._stop_on_signal(self._stop_signal)
         finally:
             self._shutdown()
             for signum, handler in previous.items():
@@ -81,8 +97,24 @@ class Supervisor:
 
     def _on_stop_signal(self, signum, frame):
         self._stop_signal = signum
+        if self._busy:
+            self._busy = False
+            raise _StopRequested()
+
+    def _interruptible(self, start, *args):
+        """Runs `start(*args)` (which may wait for servers) so that a stop signal ends it."""
+        if self._stop_signal is not None:
+            raise _StopRequested()
+        self._busy = True
+        try:
+            return start(*args)
+        finally:
+            self._busy = False
 
     def _start(self):
+        self._interruptible(self._start_all)
+
+    def _start_all(self):
         os.makedirs(self.run_dir, exist_ok=True)
         self.say(f"{self.config!r}; logs in {self.run_dir}")
         if self.config.runs_chief and not self.config.backup_dir:
@@ -122,9 +154,7 @@ class Supervisor:
     def _loop(self):
         while True:
             if self._stop_signal is not None:
-                name = signal.Signals(self._stop_signal).name
-                self.say(f"{name} received: stopping every task")
-                return 128 + self._stop_signal
+                return self._stop_on_signal(self._stop_signal)
             event = self._next_exit()
             if event is None:
                 self._stop_chief_if_ps_grace_passed()
@@ -133,6 +163,8 @@ class Supervisor:
                 continue
             decision = self.policy.decide(event, server_lost=self._server_lost)
             self.say(decision.reason)
+            if decision.action is Action.FINISH:
+                self._remove_backups()
             if decision.action in (Action.FINISH, Action.FAIL):
                 return decision.exit_status
             if decision.action is Action.WAIT_FOR_CHIEF and self.chief is not None:
@@ -141,6 +173,29 @@ class Supervisor:
             # RESTART_JOB; RESTART_TASK for a worker, or a ps on a host without the chief.
             task = JOB if decision.action is Action.RESTART_JOB else event.task
             self._due[task] = time.monotonic() + decision.delay
+
+    def _stop_on_signal(self, signum):
+        """SIGTERM: the chief saves and stops within `grace`; then everything stops."""
+        name = signal.Signals(signum).name
+        chief_running = self.chief is not None and self.chief.poll() is None
+        if signum == signal.SIGTERM and chief_running:
+            self.say(f"{name} received: the chief finishes its steps in flight and writes a "
+                     f"final backup (up to {self.config.grace:g} s), then every task stops")
+            self._seen.add((CHIEF, self.chief.pid))
+            status = self.chief.stop(grace=self.config.grace)
+            self.say(f"the chief stopped with {exit_status.describe(status)}")
+        else:
+            self.say(f"{name} received: stopping every task")
+        return exit_status.for_signal(signum)
+
+    def _remove_backups(self):
+        """The script succeeded: its backups are no longer needed."""
+        if not self.config.backup_dir:
+            return
+        import tensorflow as tf  # Only here: the supervisor starts without TensorFlow.
+
+        if tf.io.gfile.exists(self.config.backup_dir):
+            tf.io.gfile.rmtree(self.config.backup_dir)
 
     def _restart_what_is_due(self):
         now = time.monotonic()
@@ -183,7 +238,7 @@ class Supervisor:
             return
         task_type, index = task.split(":")
         try:
-            self.cluster.restart(task_type, int(index))
+            self._interruptible(self.cluster.restart, task_type, int(index))
             news = f"{task} is back (pid {self.cluster.pid(task_type, int(index))})"
         except (RuntimeError, TimeoutError) as e:  # Its exit is the next event.
             news = f"{task} did not start: {str(e).splitlines()[0]}"
@@ -198,7 +253,7 @@ class Supervisor:
             self.chief.stop()
         if self.cluster is not None:
             try:
-                self.cluster.restart_all()
+                self._interruptible(self.cluster.restart_all)
             except (RuntimeError, TimeoutError) as e:
                 self.say(f"a server did not start: {str(e).splitlines()[0]}")
         if self.config.runs_chief:
@@ -213,7 +268,7 @@ class Supervisor:
         if self.chief is not None:
             tasks[CHIEF] = self.chief.pid
         text = json.dumps({"supervisor": os.getpid(), "tasks": tasks,
-                           "restarts": dict(self.policy.restarts)})
+                           "restarts": dict(self.policy.failures)})
         with open(os.path.join(self.run_dir, "tasks.json"), "w") as f:
             f.write(text)  # One write: a reader may still see it empty for a moment; retry.
 

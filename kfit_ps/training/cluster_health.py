@@ -1,7 +1,8 @@
 """Waiting on the cluster without hanging, and errors that say which task is gone.
 
 TensorFlow's `ClusterCoordinator.join()` never times out: with every worker
-gone it waits for one to come back, forever. `join(strategy)` waits in
+gone it waits for one to come back, forever, and so does fetching a scheduled
+function's result. `join(strategy)` and `result_fetcher(strategy)` wait in
 slices instead, and between slices checks that some worker still accepts
 connections; when none has for `worker_timeout` seconds (the strategy's
 argument, else `KFIT_PS_WORKER_TIMEOUT`, 300 by default), it raises
@@ -23,10 +24,11 @@ import time
 import tensorflow as tf
 
 from kfit_ps import _tf_compat, constants, net
-from kfit_ps.errors import ParameterServerError, WorkersLostError
+from kfit_ps.errors import ParameterServerError, WorkerResultLostError, WorkersLostError
 
 _WAIT_SLICE_SECONDS = 1.0
 _PS_TASK = re.compile(r"/job:ps/replica:\d+/task:(\d+)")
+_WORKER_TASK = re.compile(r"/job:worker/replica:\d+/task:(\d+)")
 # Errors that a lost or restarted ps produces (its variables are gone or unreachable).
 _PS_LOSS_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError,
                    tf.errors.NotFoundError, tf.errors.FailedPreconditionError)
@@ -39,8 +41,11 @@ class _WorkerWatch:
         self.addresses, self.timeout = list(addresses), timeout
         self._all_down_since = None
 
+    def any_reachable(self):
+        return any(net.accepts_connections(a) for a in self.addresses)
+
     def check(self):
-        if any(net.accepts_connections(a) for a in self.addresses):
+        if self.any_reachable():
             self._all_down_since = None
             return
         now = time.monotonic()
@@ -56,12 +61,55 @@ class _WorkerWatch:
                 tasks=[f"worker:{i}" for i in range(len(self.addresses))])
 
 
-def join(strategy):
-    """`strategy.coordinator.join()`, bounded when every worker is gone (see the module doc)."""
+def join(strategy, cancel_when=None):
+    """`strategy.coordinator.join()`, bounded when every worker is gone (see the module doc).
+
+    When `cancel_when()` turns true during the wait (a stop was requested), the
+    functions no worker has started yet are dropped and only the running ones are
+    waited for. Returns how many were dropped: the most recently scheduled ones.
+    """
     coordinator = strategy.coordinator
     watch = _WorkerWatch(strategy.worker_addresses, strategy.worker_timeout)
-    while not _tf_compat.wait_for_closures(coordinator, _WAIT_SLICE_SECONDS):
+    cancelled = None
+    while True:
+        if cancelled is None and cancel_when is not None and cancel_when():
+            cancelled = _tf_compat.cancel_queued_closures(coordinator)
+        if _tf_compat.wait_for_closures(coordinator, _WAIT_SLICE_SECONDS):
+            return cancelled or 0
         watch.check()
+
+
+def result_fetcher(strategy):
+    """A `fetch(remote_value)` for scheduled functions' results, bounded like `join`.
+
+    It waits in slices for the result; a result that cannot be copied from its
+    worker (the worker died after the function finished) is an error of that
+    worker, unless every worker is gone, which is `WorkersLostError` once the
+    timeout has passed.
+    """
+    watch = _WorkerWatch(strategy.worker_addresses, strategy.worker_timeout)
+
+    def fetch(remote_value):
+        while not _tf_compat.remote_value_ready(remote_value, _WAIT_SLICE_SECONDS):
+            watch.check()
+        try:
+            return remote_value.fetch()
+        except (tf.errors.UnavailableError, tf.errors.CancelledError) as e:
+            time.sleep(_WAIT_SLICE_SECONDS)  # Workers lost together are seen lost together.
+            while not watch.any_reachable():  # Every worker gone: raises after the timeout.
+                watch.check()
+                time.sleep(_WAIT_SLICE_SECONDS)
+            workers = sorted({int(i) for i in _WORKER_TASK.findall(str(e))})
+            names = [f"worker:{i}" for i in workers]
+            error = WorkerResultLostError(
+                f"Worker {', '.join(names) or '(unknown)'} was lost after a scheduled function "
+                "finished on it and before its metric results were fetched, so this epoch's "
+                "metrics cannot be exact. Rerun the script to resume from its last backup "
+                "(kfit-ps run does this by itself).", tasks=names)
+            error.tf_error = e
+            raise error from None
+
+    return fetch
 
 
 def _ps_tasks(error):

@@ -60,7 +60,8 @@ class Evaluation:
         model, strategy = self.model, self.strategy
         coordinator = strategy.coordinator
         fns = functions.for_model(model, strategy, "test_function")
-        accumulator = metric_state.Accumulator(fns.metric_state)
+        accumulator = metric_state.Accumulator(
+            fns.metric_state, fetch=cluster_health.result_fetcher(strategy))
         model.reset_metrics()
         callbacks.on_test_begin()
         last = -1

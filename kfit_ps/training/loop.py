@@ -29,14 +29,16 @@ Who owns what:
 """
 
 import itertools
+import sys
 
 import numpy as np
 import tensorflow as tf
 from keras.callbacks import CallbackList
 
 from kfit_ps import _tf_compat, embeddings, validation
+from kfit_ps.errors import Preempted
 from kfit_ps.strategy import is_kfit_strategy
-from kfit_ps.training import (cluster_health, functions, inputs, metric_state,
+from kfit_ps.training import (cluster_health, functions, inputs, metric_state, preemption,
                               sharded_updates)
 from kfit_ps.training.evaluation import Evaluation
 from kfit_ps.training.scheduling import metric_logs, per_worker_iterator, schedule_steps
@@ -157,6 +159,7 @@ def _unpack_validation(validation_data):
     return validation_data, None, None
 
 
+@preemption.stops_at_a_safe_point
 def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
         validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
         sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
@@ -197,7 +200,6 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
     callbacks = with_launcher_backup(callbacks)
     prepare(model, strategy, train_input.element_spec, "fit")
 
-    coordinator = strategy.coordinator
     fns = functions.for_model(model, strategy, "train_function")
     iterator = per_worker_iterator(strategy, train_input)
     callbacks = CallbackList(callbacks, add_history=True, add_progbar=False, model=model,
@@ -206,6 +208,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
     progress = Progress(verbose, epochs, steps_per_epoch)
     iterations = model.optimizer.iterations if model.optimizer is not None else None
 
+    coordinator = strategy.coordinator
     model.stop_training = False
     callbacks.on_train_begin()
     initial_epoch = _tf_compat.initial_epoch_override(model) or initial_epoch
@@ -217,7 +220,8 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
     for epoch in range(initial_epoch, epochs):
         first = first_step if epoch == initial_epoch else 0
         model.reset_metrics()
-        accumulator = metric_state.Accumulator(fns.metric_state)
+        accumulator = metric_state.Accumulator(
+            fns.metric_state, fetch=cluster_health.result_fetcher(strategy))
         callbacks.on_epoch_begin(epoch)
         counter = None
         if progress.verbose == 1 and iterations is not None:
@@ -227,12 +231,18 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
         with progress.joining():
             step = first
             for stop in sync.stops(epoch, first):
-                schedule_steps(coordinator, step, stop, model.steps_per_execution, fns.train,
-                                (iterator,), callbacks.on_train_batch_begin,
-                                callbacks.on_train_batch_end, accumulator)
-                cluster_health.join(strategy)
+                sizes = schedule_steps(
+                    coordinator, step, stop, model.steps_per_execution, fns.train, (iterator,),
+                    callbacks.on_train_batch_begin, callbacks.on_train_batch_end, accumulator,
+                    should_stop=preemption.requested)
+                # On SIGTERM, functions no worker started are dropped: the newest ones.
+                cancelled = cluster_health.join(strategy, cancel_when=preemption.requested)
+                accumulator.discard_newest(cancelled)
                 accumulator.commit()
                 logs = metric_logs(model)
+                reached = step + sum(sizes[:len(sizes) - cancelled])
+                if reached < stop:
+                    _stop_preempted(sync, epoch, reached, logs, steps_per_epoch)
                 callbacks.on_train_batch_end(stop - 1, dict(logs))
                 sync.synchronised(epoch, stop, dict(logs))
                 step = stop
@@ -248,6 +258,17 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
             break
     callbacks.on_train_end(logs)
     return model.history
+
+
+def _stop_preempted(sync, epoch, step, logs, steps_per_epoch):
+    """Every step scheduled is applied: lets callbacks save, then stops the script."""
+    sync.preempted(epoch, step, dict(logs))
+    stopped = Preempted(
+        f"fit stopped on SIGTERM after step {step} of epoch {epoch + 1} (of "
+        f"{steps_per_epoch} steps); every step scheduled was applied, and a backup callback "
+        "(kfit-ps run --backup-dir) saved them. Rerun the script to resume.")
+    print(f"kfit_ps: {stopped}", file=sys.stderr, flush=True)
+    raise stopped
 
 
 # evaluate / predict --------------------------------------------------------------------------

@@ -93,14 +93,17 @@ class Accumulator:
     20,000 steps would otherwise hold 20,000 results until its `join()`).
     Functions finish roughly in scheduling order and TensorFlow bounds how
     many are in flight, so the oldest result is almost always ready by then;
-    if not, fetching it waits for that one function.
+    if not, fetching it waits for that one function, through `fetch` (which
+    raises `WorkersLostError` when every worker is gone too long).
     """
 
-    def __init__(self, metric_state, max_pending=None):
+    def __init__(self, metric_state, max_pending=None, fetch=None):
         self._state = metric_state
         self._pending = collections.deque()
         self._sum = None
         self._max_pending = max_pending or constants.metric_results_pending()
+        # Bounds the wait for a result (`cluster_health.result_fetcher`).
+        self._fetch = fetch or (lambda remote: remote.fetch())
 
     def add(self, remote_value):
         """Registers a scheduled function's result (a RemoteValue of `pack` output)."""
@@ -109,8 +112,14 @@ class Accumulator:
             while len(self._pending) > self._max_pending:
                 self._fold_one(self._pending.popleft())
 
+    def discard_newest(self, count):
+        """Forgets the results of the `count` functions registered last (they were cancelled)."""
+        if self._state.variables:
+            for _ in range(count):
+                self._pending.pop()
+
     def _fold_one(self, remote):
-        packed = [_widened(np.asarray(part)) for part in remote.fetch()]
+        packed = [_widened(np.asarray(part)) for part in self._fetch(remote)]
         if self._sum is None:
             self._sum = packed
         else:

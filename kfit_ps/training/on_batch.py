@@ -36,7 +36,8 @@ def _run_for_metrics(model, method, fn_slot, make_fn, x, y, sample_weight, retur
     fns = functions.for_model(model, strategy, fn_slot)
     coordinator = strategy.coordinator
     model.reset_metrics()
-    accumulator = metric_state.Accumulator(fns.metric_state)
+    accumulator = metric_state.Accumulator(
+        fns.metric_state, fetch=cluster_health.result_fetcher(strategy))
     accumulator.add(coordinator.schedule(make_fn(fns), args=(batch,)))
     cluster_health.join(strategy)
     accumulator.commit()

@@ -132,18 +132,22 @@ def metric_logs(model):
 
 
 def schedule_steps(coordinator, start, stop, k, function_for, args, on_begin, on_end,
-                   accumulator):
+                   accumulator, should_stop=lambda: False):
     """Schedules steps `start..stop-1` in functions of at most `k` steps.
 
     Batch hooks: begin(first step), end(last step) per function, except the
     final end, which the caller makes after synchronising. Each function's
-    returned metric state goes to `accumulator`.
+    returned metric state goes to `accumulator`. When `should_stop()` turns
+    true, nothing more is scheduled. Returns the number of steps of each
+    function scheduled, in order.
     """
-    step = start
-    while step < stop:
+    step, sizes = start, []
+    while step < stop and not should_stop():
         n = min(k, stop - step)
         on_begin(step)
         accumulator.add(coordinator.schedule(function_for(n), args=args))
+        sizes.append(n)
         step += n
         if step < stop:
             on_end(step - 1, {})
+    return sizes

@@ -1,9 +1,11 @@
 """`BackupAndRestore`: resume a parameter-server job where it stopped."""
 
+import itertools
 import logging
 import re
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from kfit_ps import constants, validation
@@ -35,9 +37,25 @@ class BackupAndRestore(SyncCallback):
     `gs://` and other object stores work). A backup whose marker is missing,
     unreadable or does not match the file's bytes is not used: resuming falls
     back to the newest complete backup, with a warning. Older backups are
-    deleted only once a newer one is complete. When `fit` completes, the
-    directory is deleted (with `delete_checkpoint=True`), and a later `fit`
-    starts normally.
+    deleted only once a newer one is complete. A directory whose backups are
+    all incomplete (the job was killed while writing its first one) is not an
+    error: training starts over, with a warning, and the files go once a new
+    backup is complete. When `fit` completes, the directory is deleted (with
+    `delete_checkpoint=True`), and a later `fit` starts normally. When the
+    chief is asked to stop (SIGTERM under `kfit-ps run`), a last backup is
+    written after the steps in flight (`on_train_preempt`): none is lost.
+
+    **Scripts with several `fit`s** (`fit_id`): each `fit` of the script gets
+    its own id (`kfit-ps run --backup-dir` numbers them 1, 2, 3, ... in the
+    order the script calls them). A `fit` that completes leaves a *final*
+    backup, `fit-<id>.weights.h5` (its weights, optimizer state and History),
+    and the directory is kept. A rerun of the script then skips each `fit`
+    whose final backup exists (it restores that state and returns its
+    History), resumes the interrupted one at its step, and trains the rest:
+    a crash in the second of three `fit`s never retrains the first, nor
+    restores the second's progress into the first. Whoever runs the script
+    deletes the directory when it exits with status 0 (`kfit-ps run` does).
+    Each completed `fit` keeps one copy of the model's state there until then.
 
     ```python
     backup = kfit_ps.callbacks.BackupAndRestore("/shared/backup", save_freq=100)
@@ -48,10 +66,14 @@ class BackupAndRestore(SyncCallback):
         backup_dir: directory for the backups (shared by reruns of the job); a
             local path or any `tf.io.gfile` URL (`gs://...`).
         save_freq: `"epoch"` or a positive number of steps. Defaults to `"epoch"`.
-        delete_checkpoint: delete `backup_dir` when `fit` completes. Defaults to True.
+        delete_checkpoint: delete `backup_dir` when `fit` completes. Defaults to
+            True without `fit_id`; with one, the directory outlives the `fit`.
+        fit_id: which `fit` of the script this is: a positive int or a name of
+            letters, digits, '-' and '_'. Defaults to None (the backups belong
+            to one `fit`, as in Keras).
     """
 
-    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True):
+    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=None, fit_id=None):
         super().__init__()
         if not backup_dir:
             raise ValueError("BackupAndRestore: `backup_dir` must be a directory path. "
@@ -59,9 +81,19 @@ class BackupAndRestore(SyncCallback):
         self.backup_dir = validation.path(backup_dir)
         self.save_freq = save_freq
         self.sync_every = sync_every_from("BackupAndRestore", "save_freq", save_freq)
-        self.delete_checkpoint = delete_checkpoint
+        self.fit_id = _check_fit_id(fit_id)
+        if delete_checkpoint and self.fit_id is not None:
+            raise ValueError(
+                "BackupAndRestore: `delete_checkpoint=True` would delete the final backups that "
+                f"let a rerun skip completed fits (`fit_id={fit_id!r}`). Received: "
+                "delete_checkpoint=True. Drop it (the directory is deleted by whoever runs the "
+                "script, once it succeeds), or drop `fit_id`.")
+        self.delete_checkpoint = self.fit_id is None if delete_checkpoint is None else bool(
+            delete_checkpoint)
         self._resume = None
+        self._skipped = None  # The final marker of a fit that a rerun skips.
         self._sequence = 0
+        self._history = {"epoch": [], "history": {}}
 
     # Finding backups -----------------------------------------------------------------------
 
@@ -75,43 +107,49 @@ class BackupAndRestore(SyncCallback):
     def _path(self, sequence):
         return checkpoint_files.join(self.backup_dir, _backup_name(sequence))
 
+    def _final_path(self):
+        return checkpoint_files.join(self.backup_dir, f"fit-{self.fit_id}.weights.h5")
+
+    @staticmethod
+    def _complete_marker(path):
+        """The marker of `path` if it describes the file's bytes; else (None, why not)."""
+        try:
+            marker = checkpoint_files.read_marker(path)
+        except checkpoint_files.Unreadable as e:
+            return None, f"{path}: {e}"
+        if marker is None:
+            return None, f"{path}: no marker (its write did not finish)"
+        if checkpoint_files.fingerprint(path) != (marker.get("size"), marker.get("sha256")):
+            return None, f"{path}: the file does not match its marker"
+        return marker, None
+
     def _newest_complete(self, sequences):
-        """(sequence, marker) of the newest backup whose marker describes its file."""
+        """(sequence, marker) of this fit's newest backup whose marker describes its file.
+
+        Backups of other `fit`s of the script are passed over. With none
+        complete, training starts over (with a warning naming what was skipped).
+        """
         skipped = []
         for sequence in sequences:
             path = self._path(sequence)
-            try:
-                marker = checkpoint_files.read_marker(path)
-            except checkpoint_files.Unreadable as e:
-                skipped.append(f"{path}: {e}")
-                continue
+            marker, why_not = self._complete_marker(path)
             if marker is None:
-                skipped.append(f"{path}: no marker (its write did not finish)")
+                skipped.append(why_not)
                 continue
-            if checkpoint_files.fingerprint(path) != (marker.get("size"), marker.get("sha256")):
-                skipped.append(f"{path}: the file does not match its marker")
+            if marker.get("fit") != self.fit_id:
                 continue
             if skipped:
                 log.warning("BackupAndRestore: resuming from %s, the newest complete backup; "
                             "skipped newer ones: %s", path, "; ".join(skipped))
             return sequence, marker
         if skipped:
-            raise RuntimeError(
-                f"BackupAndRestore found backups in {self.backup_dir!r} but none is complete: "
-                f"{'; '.join(skipped)}. Nothing was deleted. Move the directory away (or delete "
-                "it) to start training from scratch.")
+            log.warning(
+                "BackupAndRestore: no complete backup in %r (%s): training starts from the "
+                "beginning. The incomplete files are removed once a new backup is complete.",
+                self.backup_dir, "; ".join(skipped))
         return None, None
 
-    # Callback hooks ------------------------------------------------------------------------
-
-    def on_train_begin(self, logs=None):
-        self._resume = None
-        sequences = self._sequences()
-        self._sequence = sequences[0] if sequences else 0  # New backups never reuse a name.
-        sequence, marker = self._newest_complete(sequences)
-        if sequence is None:
-            return
-        path = self._path(sequence)
+    def _restore(self, path, marker):
         self.model.load_weights(path)
         restored = checkpoint_files.training_step(self.model)
         if self.model.optimizer is not None and restored != marker["step"]:
@@ -120,47 +158,137 @@ class BackupAndRestore(SyncCallback):
                 f"{restored}, not the {marker['step']} recorded with it: the optimizer "
                 "state was not restored. Compile the model with the same optimizer as the "
                 "run that wrote the backup.")
+        self._history = marker.get("history") or {"epoch": [], "history": {}}
+
+    # Callback hooks ------------------------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        self._resume, self._skipped = None, None
+        self._history = {"epoch": [], "history": {}}
+        if self.fit_id is not None:
+            final, _ = self._complete_marker(self._final_path())
+            if final is not None:  # This fit completed in an earlier run of the script.
+                self._restore(self._final_path(), final)
+                self._skipped = final
+                self._resume = (self.params["epochs"], 0)
+                log.warning("BackupAndRestore: fit %s completed in an earlier run of the "
+                            "script (step %d): restored its final state; not training it again",
+                            self.fit_id, final["step"])
+                return
+        sequences = self._sequences()
+        self._sequence = sequences[0] if sequences else 0  # New backups never reuse a name.
+        sequence, marker = self._newest_complete(sequences)
+        if sequence is None:
+            return
+        self._restore(self._path(sequence), marker)
         self._resume = (marker["epoch"], marker["batch"])
 
     def resume_position(self):
         return self._resume
 
     def on_train_sync(self, epoch, step, logs):
-        if step >= self.params["steps"]:
-            epoch, step = epoch + 1, 0
-        self._backup(epoch, step)
+        self._backup(*self._position(epoch, step))
+
+    def on_train_preempt(self, epoch, step, logs):
+        self._backup(*self._position(epoch, step))
+
+    def _position(self, epoch, step):
+        """`(epoch, step)` to resume from after `step` steps of `epoch`."""
+        return (epoch + 1, 0) if step >= self.params["steps"] else (epoch, step)
 
     def on_epoch_end(self, epoch, logs=None):
+        self._history["epoch"].append(epoch)
+        for key, value in (logs or {}).items():
+            self._history["history"].setdefault(key, []).append(_jsonable(value))
         if self.sync_every is None:
             self._backup(epoch + 1, 0)
 
     def on_train_end(self, logs=None):
         self._resume = None
-        if self.delete_checkpoint and tf.io.gfile.exists(self.backup_dir):
+        if self._skipped is not None:
+            self.model.history = _history_object(self.model, self._history)
+        elif self.fit_id is not None:
+            self._publish_final()
+        elif self.delete_checkpoint and tf.io.gfile.exists(self.backup_dir):
             tf.io.gfile.rmtree(self.backup_dir)
+
+    def _publish_final(self):
+        """Writes this fit's final state, then drops its progress backups."""
+        tf.io.gfile.makedirs(self.backup_dir)
+        path = self._final_path()
+        checkpoint_files.unpublish(path)
+        self.model.save_weights(path, overwrite=True)
+        checkpoint_files.publish(path, checkpoint_files.training_step(self.model),
+                                 self.params["epochs"], 0, fit=self.fit_id, done=True,
+                                 history=self._history)
+        self._remove_backups_before(self._sequence + 1)
 
     def _backup(self, epoch, step):
         tf.io.gfile.makedirs(self.backup_dir)
         self._sequence += 1
         path = self._path(self._sequence)
         self.model.save_weights(path, overwrite=True)
-        checkpoint_files.publish(path, checkpoint_files.training_step(self.model), epoch, step)
-        for older in self._sequences():  # Only now that a newer backup is complete.
-            if older < self._sequence:
+        checkpoint_files.publish(path, checkpoint_files.training_step(self.model), epoch, step,
+                                 fit=self.fit_id, history=self._history)
+        self._remove_backups_before(self._sequence)  # Only now that a newer one is complete.
+
+    def _remove_backups_before(self, sequence):
+        for older in self._sequences():
+            if older < sequence:
                 checkpoint_files.remove(self._path(older) + checkpoint_files.MARKER_SUFFIX)
                 checkpoint_files.remove(self._path(older))
+
+
+_FIT_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def _check_fit_id(fit_id):
+    if fit_id is None:
+        return None
+    if isinstance(fit_id, int) and not isinstance(fit_id, bool) and fit_id >= 1:
+        return str(fit_id)
+    if isinstance(fit_id, str) and _FIT_ID.match(fit_id):
+        return fit_id
+    raise ValueError(
+        "BackupAndRestore: `fit_id` must be a positive int or a name of at most 64 letters, "
+        f"digits, '-' and '_'. Received: fit_id={fit_id!r}. Example: fit_id='pretrain'.")
+
+
+def _jsonable(value):
+    """A log value as JSON: a float, an int, or nested lists for non-scalar metrics."""
+    array = np.asarray(value)
+    if array.ndim:
+        return array.tolist()
+    return int(array) if np.issubdtype(array.dtype, np.integer) else float(array)
+
+
+def _history_object(model, saved):
+    """A Keras `History` holding a skipped fit's epochs and logs, as its first run returned."""
+    history = keras.callbacks.History()
+    history.set_model(model)
+    history.epoch = list(saved.get("epoch", []))
+    history.history = {key: list(values) for key, values in saved.get("history", {}).items()}
+    return history
+
+
+_launched_fits = itertools.count(1)
 
 
 def with_launcher_backup(callbacks):
     """`callbacks`, plus a `BackupAndRestore` when `kfit-ps run --backup-dir` asked for one.
 
-    A script that has its own backup callback (kfit_ps's or Keras') keeps it, alone.
+    The launcher's backups belong to the script: each `fit` call gets the next
+    `fit_id` (1, 2, 3, ... in call order), so a rerun skips the `fit`s that
+    completed and resumes the interrupted one. A script that has its own backup
+    callback (kfit_ps's or Keras') keeps it, alone.
     """
     callbacks = list(callbacks or [])
     requested = constants.launcher_backup()
-    if requested is None or any(isinstance(cb, (BackupAndRestore,
-                                                keras.callbacks.BackupAndRestore))
-                                for cb in callbacks):
+    if requested is None:
+        return callbacks
+    fit_id = next(_launched_fits)  # Counts every fit, so ids do not depend on callbacks.
+    if any(isinstance(cb, (BackupAndRestore, keras.callbacks.BackupAndRestore))
+           for cb in callbacks):
         return callbacks
     backup_dir, save_freq = requested
-    return callbacks + [BackupAndRestore(backup_dir, save_freq=save_freq)]
+    return callbacks + [BackupAndRestore(backup_dir, save_freq=save_freq, fit_id=fit_id)]

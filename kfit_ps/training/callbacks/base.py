@@ -14,6 +14,10 @@ still being applied. `SyncCallback` is how it asks:
   metrics so far.
 - `resume_position()`, called after `on_train_begin`, may return
   `(epoch, step)`: `fit` then starts `epoch` after its first `step` steps.
+- `on_train_preempt(epoch, step, logs)` is called when the chief was asked
+  to stop (SIGTERM, `kfit_ps.training.preemption`), after the steps in flight
+  finished: the last chance to save a consistent state before `fit` raises
+  `kfit_ps.errors.Preempted`.
 
 The loop also joins at every epoch end, as always; `SyncPoints` computes the
 union of the points.
@@ -44,6 +48,9 @@ class SyncCallback(keras.callbacks.Callback):
         """`(epoch, step)` to resume training from, or None to start as asked."""
         return None
 
+    def on_train_preempt(self, epoch, step, logs):
+        """Called once `step` steps of `epoch` are applied and `fit` is about to stop."""
+
 
 class SyncPoints:
     """Where one `fit` call synchronises, from its callbacks' `sync_every`."""
@@ -69,6 +76,11 @@ class SyncPoints:
                 points.add(point - base)
                 point += n
         return sorted(p for p in points if p > first)
+
+    def preempted(self, epoch, step, logs):
+        """Tells every callback that `fit` stops after `step` steps of `epoch` (all applied)."""
+        for cb in self._callbacks:
+            cb.on_train_preempt(epoch, step, logs)
 
     def synchronised(self, epoch, step, logs):
         """Tells each due callback that `step` steps of `epoch` are done and applied."""
