@@ -358,11 +358,11 @@ class LocalCluster:
                 pending.pop(0)
                 continue
             if time.monotonic() > deadline:
-                raise TimeoutError(
+                raise ServerNotReady(
                     f"LocalCluster: server {task_type}:{index} did not start serving within "
                     f"{self._startup_timeout:.0f}s (set {constants.STARTUP_TIMEOUT_ENV} to wait "
-                    f"longer). Its log:\n{self.log_tail(task_type, index)}"
-                )
+                    f"longer). Its log:\n{self.log_tail(task_type, index)}",
+                    task=f"{task_type}:{index}")
             time.sleep(0.1)
 
     def _raise_exited(self, task_type, index, returncode):
@@ -373,6 +373,18 @@ class LocalCluster:
         if any(marker in tail for marker in _BIND_FAILURES):
             raise _PortTaken(message)
         raise RuntimeError(message)
+
+
+class ServerNotReady(TimeoutError):
+    """A server process runs but did not start serving in time (it is left running).
+
+    Attributes:
+        task: `"worker:0"`-style name of the server.
+    """
+
+    def __init__(self, message, task):
+        super().__init__(message)
+        self.task = task
 
 
 class _PortTaken(RuntimeError):

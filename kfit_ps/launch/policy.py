@@ -24,7 +24,7 @@ import enum
 import time
 
 from kfit_ps import exit_status
-from kfit_ps.launch.events import describe_status
+from kfit_ps.launch.events import TaskExit, describe_status
 
 
 class Action(enum.Enum):
@@ -71,14 +71,20 @@ class RestartPolicy:
             f"of each other; giving up (--max-restarts {self.max_restarts}, exit code "
             f"{exit_status.RESTARTS_EXHAUSTED}). Its last log lines:\n{event.log_tail}"))
 
-    def _restart(self, event, action, reason):
+    def _restart(self, event, action, reason, what=None):
         count, give_up = self._count(event)
         if give_up:
             return give_up
         delay = min(self.backoff * 2 ** (count - 1), self.max_backoff)
         return Decision(action, delay=delay, reason=(
-            f"{event.describe()}; {reason} (restart {count} of {self.max_restarts}, "
+            f"{what or event.describe()}; {reason} (restart {count} of {self.max_restarts}, "
             f"in {delay:g} s)"))
+
+    def not_ready(self, task, log_tail=""):
+        """A server of `task` runs but did not start serving in time: kill it, restart it."""
+        return self._restart(TaskExit(task, exit_status.KILLED, log_tail), Action.RESTART_TASK,
+                             "killing it and starting it again",
+                             what=f"{task} did not start serving in time")
 
     def decide(self, event, server_lost=False):
         """The `Decision` for `event`; `server_lost`: a ps died since this chief started."""

@@ -37,7 +37,7 @@ import threading
 import time
 
 from kfit_ps import constants, exit_status
-from kfit_ps.cluster.local import LocalCluster
+from kfit_ps.cluster.local import LocalCluster, ServerNotReady
 from kfit_ps.cluster.spec import ClusterConfig
 from kfit_ps.launch import chief_process
 from kfit_ps.launch.events import TaskExit
@@ -49,6 +49,14 @@ JOB = "the job"
 
 class _StopRequested(Exception):
     """A stop signal arrived while the supervisor was busy starting processes."""
+
+
+class _Failed(Exception):
+    """The job cannot go on (a server never started within its budget)."""
+
+    def __init__(self, status):
+        super().__init__(status)
+        self.status = status
 
 
 class Supervisor:
@@ -68,6 +76,7 @@ class Supervisor:
         self._ps_lost_at = None
         self._due = {}  # task (or JOB) -> when to restart it: back-offs never block the loop
         self._busy = False  # starting processes: a stop signal interrupts at once
+        self._chief_due = False  # a job restart waits for its servers before its chief
 
     def say(self, message):
         print(f"kfit-ps run: {message}", file=self.out, flush=True)
@@ -82,6 +91,8 @@ class Supervisor:
             return self._loop()
         except _StopRequested:  # While servers were starting: the chief may be running.
             return self._stop_on_signal(self._stop_signal)
+        except _Failed as e:
+            return e.status
         finally:
             self._shutdown()
             for signum, handler in previous.items():
@@ -120,13 +131,28 @@ class Supervisor:
         if self.config.runs_chief and not self.config.backup_dir:
             self.say("no --backup-dir: if the chief or a ps is lost, the job starts over from "
                      "the beginning (unless the script uses kfit_ps.callbacks.BackupAndRestore)")
-        self.cluster = self._make_cluster()
-        if self.cluster is not None:
-            self.cluster.start()
-            self.say(f"servers ready: {self.cluster.config!r}")
+        self._start_servers()
         if self.config.runs_chief:
             self._start_chief()
         self._write_tasks()
+
+    def _start_servers(self):
+        """Starts this host's servers; one that does not start serving in time is killed and
+        every server started again after a back-off, within its restart budget."""
+        while True:
+            self.cluster = self._make_cluster()
+            if self.cluster is None:
+                return
+            try:
+                self.cluster.start()  # On failure it stops every server it started.
+                self.say(f"servers ready: {self.cluster.config!r}")
+                return
+            except ServerNotReady as e:
+                decision = self.policy.not_ready(e.task, str(e))
+            self.say(decision.reason)
+            if decision.action is Action.FAIL:
+                raise _Failed(decision.exit_status)
+            time.sleep(decision.delay)  # A stop signal ends the wait (_StopRequested).
 
     def _make_cluster(self):
         if self.config.tasks is None:
@@ -159,6 +185,7 @@ class Supervisor:
             if event is None:
                 self._stop_chief_if_ps_grace_passed()
                 self._restart_what_is_due()
+                self._start_chief_once_servers_serve()
                 time.sleep(0.1)
                 continue
             decision = self.policy.decide(event, server_lost=self._server_lost)
@@ -240,10 +267,23 @@ class Supervisor:
         try:
             self._interruptible(self.cluster.restart, task_type, int(index))
             news = f"{task} is back (pid {self.cluster.pid(task_type, int(index))})"
-        except (RuntimeError, TimeoutError) as e:  # Its exit is the next event.
+        except ServerNotReady as e:
+            news = self._not_ready(e)
+        except RuntimeError as e:  # It exited while starting: its exit is the next event.
             news = f"{task} did not start: {str(e).splitlines()[0]}"
         self._write_tasks()  # Before the news: whoever reads "is back" finds tasks.json current.
         self.say(news)
+
+    def _not_ready(self, error):
+        """Kills a server that runs but does not serve; its restart is due after a back-off."""
+        task_type, index = error.task.split(":")
+        self._seen.add((error.task, self.cluster.pid(task_type, int(index))))
+        self.cluster.kill(task_type, int(index))
+        decision = self.policy.not_ready(error.task, str(error))
+        if decision.action is Action.FAIL:
+            raise _Failed(decision.exit_status)
+        self._due[error.task] = time.monotonic() + decision.delay
+        return decision.reason
 
     def _restart_job(self):
         if self._stop_signal is not None:
@@ -251,13 +291,27 @@ class Supervisor:
         if self.chief is not None:
             self._seen.add((CHIEF, self.chief.pid))
             self.chief.stop()
+            self.chief = None
         if self.cluster is not None:
             try:
                 self._interruptible(self.cluster.restart_all)
-            except (RuntimeError, TimeoutError) as e:
+            except ServerNotReady as e:
+                self.say(self._not_ready(e))
+            except RuntimeError as e:  # It exited while starting: its exit is the next event.
                 self.say(f"a server did not start: {str(e).splitlines()[0]}")
-        if self.config.runs_chief:
-            self._start_chief()
+        self._chief_due = self.config.runs_chief
+        self._start_chief_once_servers_serve()
+        self._write_tasks()
+
+    def _start_chief_once_servers_serve(self):
+        """Starts the chief of a job restart once no server is down or due: never against a
+        half-started cluster."""
+        if not self._chief_due or self._due or self._stop_signal is not None:
+            return
+        if self.cluster is not None and self.cluster.exited():
+            return  # Its exit is decided on first (a restart becomes due).
+        self._chief_due = False
+        self._start_chief()
         self._write_tasks()
 
     def _write_tasks(self):
