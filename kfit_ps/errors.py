@@ -6,6 +6,8 @@ its last backup. Errors of the program itself (a bad argument, a shape
 mismatch, a NaN check) are never turned into a `ClusterError`.
 """
 
+import tensorflow as tf
+
 from kfit_ps import exit_status
 
 # Exit status of a chief that stopped on a `ClusterError` under `kfit-ps run`: the launcher
@@ -13,15 +15,19 @@ from kfit_ps import exit_status
 EXIT_CLUSTER_ERROR = exit_status.CLUSTER_ERROR
 
 
-class ClusterError(RuntimeError):
+class ClusterError(RuntimeError, tf.errors.UnavailableError):
     """A task that training needs is unreachable; retrying after it is back resumes the job.
+
+    It is a `tf.errors.UnavailableError` (TensorFlow's documented error for a lost
+    task), so code written to TensorFlow's fault-tolerance contract keeps catching
+    kfit_ps' cluster errors; and a `RuntimeError`, as it always was.
 
     Attributes:
         tasks: the tasks concerned, as `"ps:0"`-style names.
     """
 
     def __init__(self, message, tasks=()):
-        super().__init__(message)
+        tf.errors.UnavailableError.__init__(self, None, None, message)
         self.tasks = tuple(tasks)
 
 
@@ -54,8 +60,16 @@ class Preempted(SystemExit):
         return self.message
 
 
+def is_cluster_failure(error):
+    """Whether an uncaught `error` means the cluster, not the program, failed: a
+    `ClusterError`, or TensorFlow's `UnavailableError` (a task unreachable, e.g. a ps lost
+    while the model's variables were created, outside `fit`), classified by type."""
+    return isinstance(error, (ClusterError, tf.errors.UnavailableError))
+
+
 def exit_with_status_on_cluster_error(before_exit=None):
-    """Makes an uncaught `ClusterError` end the process with `EXIT_CLUSTER_ERROR`.
+    """Makes an uncaught cluster failure (`is_cluster_failure`) end the process with
+    `EXIT_CLUSTER_ERROR`.
 
     Installed by `import kfit_ps` in a chief started by `kfit-ps run`, which
     restarts the job on that status (and treats any other failure as the
@@ -69,7 +83,7 @@ def exit_with_status_on_cluster_error(before_exit=None):
 
     def excepthook(kind, value, traceback):
         previous(kind, value, traceback)
-        if isinstance(value, ClusterError):
+        if is_cluster_failure(value):
             for stream in (sys.stdout, sys.stderr):
                 try:
                     stream.flush()

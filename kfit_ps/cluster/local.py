@@ -39,6 +39,7 @@ from kfit_ps import _tf_compat, constants, net, validation
 from kfit_ps.cluster import server
 from kfit_ps.cluster.logs import read_tail
 from kfit_ps.cluster.spec import ClusterConfig
+from kfit_ps.cluster.start_errors import PortTaken, ServerNotReady
 
 log = logging.getLogger("kfit_ps.cluster")
 
@@ -138,7 +139,7 @@ class LocalCluster:
                     self._spawn(task_type, index)
                 self._wait_ready(self.server_tasks())
                 break
-            except _PortTaken as e:
+            except PortTaken as e:
                 self.stop()
                 if attempt == attempts:
                     raise RuntimeError(f"{e} (after {attempt} attempts with new ports)") from None
@@ -371,24 +372,8 @@ class LocalCluster:
                    f"({self.config.address(task_type, index)}) exited with code {returncode} "
                    f"during start-up. Its log:\n{tail}")
         if any(marker in tail for marker in _BIND_FAILURES):
-            raise _PortTaken(message)
+            raise PortTaken(message)
         raise RuntimeError(message)
-
-
-class ServerNotReady(TimeoutError):
-    """A server process runs but did not start serving in time (it is left running).
-
-    Attributes:
-        task: `"worker:0"`-style name of the server.
-    """
-
-    def __init__(self, message, task):
-        super().__init__(message)
-        self.task = task
-
-
-class _PortTaken(RuntimeError):
-    """A server could not bind its port: another process took it after we picked it."""
 
 
 _warned = []

@@ -37,7 +37,8 @@ import threading
 import time
 
 from kfit_ps import constants, exit_status
-from kfit_ps.cluster.local import LocalCluster, ServerNotReady
+from kfit_ps.cluster.local import LocalCluster
+from kfit_ps.cluster.start_errors import ServerNotReady
 from kfit_ps.cluster.spec import ClusterConfig
 from kfit_ps.launch import chief_process
 from kfit_ps.launch.events import TaskExit

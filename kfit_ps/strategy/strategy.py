@@ -13,10 +13,12 @@ It *is* a `tf.distribute.ParameterServerStrategy` (placement, partitioning,
 """
 
 import contextlib
+import time
 
 import tensorflow as tf
 
-from kfit_ps import _tf_compat, constants
+from kfit_ps import _tf_compat, constants, net
+from kfit_ps.errors import ClusterError
 
 _ALLOWED = (constants.CHIEF, constants.WORKER, constants.PS)
 
@@ -123,6 +125,7 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         self._num_ps = len(spec[constants.PS])
         self._worker_addresses = tuple(spec[constants.WORKER])
         self._worker_timeout = float(worker_timeout or constants.worker_timeout())
+        wait_for_servers(spec, constants.startup_timeout())
         super().__init__(resolver, variable_partitioner)
         check_one_replica_per_worker(self.num_replicas_in_sync)
 
@@ -157,6 +160,36 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     def worker_timeout(self):
         """Seconds to wait while every worker is unreachable (see `__init__`)."""
         return self._worker_timeout
+
+
+def wait_for_servers(spec, timeout):
+    """Returns once every worker and ps of `spec` accepts connections; `ClusterError` after
+    `timeout` seconds, naming those that do not.
+
+    TensorFlow connects to every task at once and fails outright when one is not
+    there yet (a rescheduled pod, a host still booting); a chief restarted before
+    its ps host is back waits here instead, and, past the timeout, stops with a
+    cluster error that `kfit-ps run` and Kubernetes retry.
+    """
+    tasks = [(f"{t}:{i}", a) for t in (constants.WORKER, constants.PS)
+             for i, a in enumerate(spec[t])]
+    deadline, said = time.monotonic() + timeout, False
+    while True:
+        missing = [(task, a) for task, a in tasks if not net.accepts_connections(a)]
+        if not missing:
+            return
+        names = ", ".join(f"{task} ({a})" for task, a in missing)
+        if time.monotonic() > deadline:
+            raise ClusterError(
+                f"ParameterServerStrategy: {names} did not accept connections within "
+                f"{timeout:g} s, so the chief cannot connect to the cluster. Start those servers "
+                f"(kfit-ps run --tasks ...), or wait longer: set {constants.STARTUP_TIMEOUT_ENV}.",
+                tasks=[task for task, _ in missing])
+        if not said:
+            said = True
+            _tf_compat.print_msg(f"kfit_ps: waiting up to {timeout:g} s for {names} to accept "
+                               "connections")
+        time.sleep(0.5)
 
 
 def check_one_replica_per_worker(num_replicas):
