@@ -35,6 +35,10 @@ class WorkersLostError(ClusterError):
     """Every worker has been unreachable for longer than the configured timeout."""
 
 
+class WorkerStalledError(ClusterError):
+    """A worker accepts connections but has not answered for longer than the timeout."""
+
+
 class WorkerResultLostError(ClusterError):
     """A worker was lost with the result of a function that had finished on it."""
 

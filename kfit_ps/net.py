@@ -38,3 +38,24 @@ def distinct_ports(host, count, taken, probe=free_port, tries=100):
         raise RuntimeError(f"No {count} distinct free ports on {host!r} after {tries} probes "
                            f"(taken: {sorted(taken)}).")
     return ports
+
+
+# An HTTP/2 client preface followed by an empty SETTINGS frame: a gRPC server answers it with
+# its own SETTINGS frame at once, from its I/O threads.
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+def answers_grpc(address, timeout=2.0):
+    """Whether a gRPC server at `host:port` answers an HTTP/2 handshake within `timeout` s.
+
+    Stronger than `accepts_connections`: the kernel accepts connections for a process that
+    is stopped or wedged, but only a running server answers.
+    """
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as s:
+            s.settimeout(timeout)
+            s.sendall(_HTTP2_PREFACE)
+            return len(s.recv(9)) > 0
+    except OSError:
+        return False

@@ -307,3 +307,43 @@ def test_every_wait_of_the_chief_is_bounded_by_the_worker_timeout():
     for phase, delay, raised, seconds in outcomes:
         assert raised == "WorkersLostError", outcomes
         assert 3 <= seconds < 3 + 30, outcomes  # the worker timeout, plus 30 s at most
+
+
+STOP_A_WORKER = """
+import signal, threading
+from tests import helpers as h
+os.environ["KFIT_PS_WORKER_TIMEOUT"] = "4"
+with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+    strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse", steps_per_execution=5)
+    stopped = []
+
+    class Stop(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 200 and not stopped:
+                os.kill(cluster.pid("worker", 0), signal.SIGSTOP)  # wedged, port still open
+                stopped.append(time.monotonic())
+
+    try:
+        model.fit(kfit_ps.DatasetCreator(h.regression_dataset_fn()), epochs=1,
+                  steps_per_epoch=20000, verbose=0, callbacks=[Stop()])
+        report(raised=None)
+    except kfit_ps.ClusterError as e:
+        report(raised=type(e).__name__, message=str(e), tasks=list(e.tasks),
+               seconds=time.monotonic() - stopped[0])
+    finally:
+        os.kill(cluster.pid("worker", 0), signal.SIGCONT)
+os._exit(0)
+"""
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+def test_a_wedged_worker_is_named_within_the_timeout():
+    result = helpers.run_chief(STOP_A_WORKER, timeout=240)
+    assert result["raised"] == "WorkerStalledError", result
+    assert result["tasks"] == ["worker:0"]
+    assert "accepts connections but has not answered for 4 s" in result["message"]
+    assert 4 <= result["seconds"] < 4 + 30, result

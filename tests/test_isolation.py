@@ -80,3 +80,16 @@ def test_run_keeps_the_network_unless_asked(tmp_path):
                           "--tasks", "ps:0"], capture_output=True, text=True,
                          env=helpers.chief_env(), cwd=helpers.ROOT, timeout=120)
     assert bad.returncode == 2 and "--isolated" in bad.stderr
+
+
+def test_an_explicit_isolated_never_falls_back_to_the_open_network(tmp_path):
+    """`kfit-ps run --isolated` where no namespace can be made stops before starting anything
+    (here: no `unshare` on PATH), instead of running the servers on the machine's network."""
+    env = dict(helpers.chief_env(), PATH=str(tmp_path))  # an empty PATH: no `unshare`
+    proc = subprocess.run([sys.executable, "-m", "kfit_ps.cli.main", "run", "--isolated",
+                           "--run-dir", str(tmp_path / "run"), "--", sys.executable, "-c", "1"],
+                          capture_output=True, text=True, env=env, cwd=helpers.ROOT, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--isolated: a private network namespace is not available here" in proc.stderr
+    assert "`unshare` command" in proc.stderr and "nothing was started" in proc.stderr
+    assert not (tmp_path / "run").exists()

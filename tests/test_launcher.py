@@ -412,3 +412,27 @@ def test_a_server_that_never_starts_serving_is_killed_and_started_again(tmp_path
     assert job.result()["iterations"] >= 600
     assert job.result()["fits"][0]["batches"] == [200.0] * 3  # exact metrics throughout
     assert job.left_running() == []
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+def test_a_wedged_worker_is_killed_and_restarted(tmp_path):
+    job = Job(tmp_path, "--workers", "2", "--ps", "1", "--liveness-timeout", "4", script=FITS,
+              script_args=(json.dumps([[3, 300]]),))
+    try:
+        job.read_until(lambda line: epoch_line(line) == (1, 1, 300))
+        stopped = job.tasks()["worker:0"]
+        os.kill(stopped, signal.SIGSTOP)  # the port stays open; nothing answers
+        started = time.monotonic()
+        job.read_until(lambda line: "worker:0 accepts connections but has not answered for 4 s"
+                       in line)
+        assert time.monotonic() - started < 4 + 15
+        job.read_until(lambda line: "worker:0 is back" in line)
+        assert job.finish() == 0, "\n".join(job.lines[-40:])
+    finally:
+        if job.proc.poll() is None:
+            job.proc.kill()
+    result = job.result()
+    assert 900 <= result["iterations"] <= 905  # at-least-once for the wedged worker's function
+    assert result["fits"][0]["batches"] == [300.0] * 3  # exactly-once metrics
+    assert job.left_running() == []

@@ -156,3 +156,179 @@ def test_a_server_is_not_reachable_on_localhost_of_another_host(hosts, tmp_path)
                       stdout=subprocess.PIPE, text=True)
     assert here.communicate(timeout=30)[0].strip() == "open"
     assert local.communicate(timeout=30)[0].strip() == "closed"
+
+
+# The chaos job: 4 epochs x 500 steps, a 400,000 x 16 embedding (25.6 MB on the ps, so a
+# dead chief's copy left in the ps's memory shows), SGD. It prints "STEP <iterations>" at
+# each backup, "EPOCH <epoch> <iterations>" as each epoch begins, "STOPPED <iterations>"
+# when a SIGTERM stops it, and the result.
+CHAOS_JOB = textwrap.dedent("""
+    import json
+    import keras, kfit_ps, tensorflow as tf
+    from tests import helpers as h
+
+    def dataset_fn(ctx):
+        ids = tf.random.stateless_uniform((4096, 1), seed=(1, 2), maxval=400_000,
+                                          dtype=tf.int32)
+        y = tf.cast(ids % 7, tf.float32) / 7.0
+        return tf.data.Dataset.from_tensor_slices((ids, y)).shuffle(4096).repeat().batch(32)
+
+    strategy = kfit_ps.ParameterServerStrategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((1,), dtype="int32"),
+                                  keras.layers.Embedding(400_000, 16), keras.layers.Flatten(),
+                                  keras.layers.Dense(1)])
+        model.compile("sgd", "mse", metrics=[h.counting_metric()], steps_per_execution=5)
+
+    class Report(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            print("EPOCH", epoch, int(self.model.optimizer.iterations.numpy()), flush=True)
+
+        def on_train_batch_end(self, batch, logs=None):
+            if logs:  # right after a synchronisation (each backup)
+                print("STEP", int(self.model.optimizer.iterations.numpy()), flush=True)
+
+    try:
+        history = model.fit(kfit_ps.DatasetCreator(dataset_fn), epochs=4, steps_per_epoch=500,
+                            verbose=0, callbacks=[Report()])
+    except kfit_ps.errors.Preempted:
+        print("STOPPED", int(model.optimizer.iterations.numpy()), flush=True)
+        raise
+    print("RESULT " + json.dumps({"iterations": int(model.optimizer.iterations.numpy()),
+                                  "batches": history.history["batches"],
+                                  "epochs": history.epoch}), flush=True)
+""")
+
+
+class Launchers:
+    """One `kfit-ps run` per host; reads their output into one list of lines."""
+
+    def __init__(self, hosts, tmp_path, env):
+        self.hosts, self.tmp_path, self.env = hosts, tmp_path, env
+        self.procs, self.lines, self.ended = {}, [], []
+
+    def start(self, host, *flags):
+        if host in self.procs:
+            self.ended.append((host, self.procs[host]))
+        self.procs[host] = self.hosts.run(
+            host, [sys.executable, "-m", "kfit_ps.cli.main", "run", "--run-dir",
+                   str(self.tmp_path / host), *flags], env=self.env, cwd=helpers.ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return self.procs[host]
+
+    def read_until(self, host, predicate, timeout=240):
+        proc, deadline = self.procs[host], time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            self.lines.append(f"{host}| {line.rstrip()}")
+            if predicate(line):
+                return line
+        raise AssertionError(f"not seen on {host}:\n" + "\n".join(self.lines[-60:]))
+
+    def stop_all(self):
+        """SIGTERMs the launchers still running; reads every launcher's remaining output.
+        Returns the exit statuses of those it stopped."""
+        statuses = {}
+        for host, proc in self.procs.items():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                statuses[host] = proc.wait(timeout=30)
+        for host, proc in self.ended + list(self.procs.items()):
+            self.lines += [f"{host}| {line}" for line in proc.stdout.read().splitlines()]
+        return statuses
+
+    def task_pid(self, host, task):
+        return read_tasks(self.tmp_path / host / "tasks.json")["tasks"][task]
+
+
+def _number(line, word):
+    return int(line.split(word + " ", 1)[1].split()[0]) if f"[chief] {word} " in line else None
+
+
+def test_chaos_across_hosts_kills_a_remote_ps_a_worker_preempts_and_restarts_the_chief(
+        hosts, tmp_path):
+    """One 2,000-step job, each host under its own launcher, the ps on its own host:
+    SIGKILL of a worker, of the remote ps, of the chief (twice), SIGTERM of the chief's
+    launcher (a preemption: a new launcher takes over, as a new pod would), and a chief
+    restarted while the ps host is down, each at a seeded random point. The job finishes
+    on its own, exactly, with no chief's variables left in the ps's memory."""
+    import random
+
+    import psutil
+
+    address = {host: f"{ip}:2222" for host, ip in hosts.addresses.items()}
+    cluster = {"chief": [address["chief"]], "worker": [address["w0"], address["w1"]],
+               "ps": [address["ps0"]]}
+    env = dict(helpers.chief_env(), TF_CONFIG=json.dumps(
+        {"cluster": cluster, "task": {"type": "chief", "index": 0}}))
+    (tmp_path / "job.py").write_text(CHAOS_JOB)
+    chief_flags = ("--tasks", "chief:0", "--backup-dir", str(tmp_path / "backup"),
+                   "--save-freq", "100", "--max-restarts", "10", "--backoff", "0.5", "--",
+                   sys.executable, str(tmp_path / "job.py"))
+    run = Launchers(hosts, tmp_path, env)
+    for host, task in (("ps0", "ps:0"), ("w0", "worker:0"), ("w1", "worker:1")):
+        run.start(host, "--tasks", task, "--backoff", "0.5")
+        run.read_until(host, lambda line: "servers ready" in line)
+    run.start("chief", *chief_flags)
+
+    rng = random.Random(2026)
+    events = ["kill worker", "kill ps", "kill chief", "preempt", "ps host down", "kill chief"]
+    thresholds = sorted(rng.sample(range(100, 1400, 50), len(events)))
+    ps_memory, stopped_at, resumed_at = [], None, None
+
+    def next_step(at_least):
+        line = run.read_until("chief", lambda l: (_number(l, "STEP") or -1) >= at_least)
+        return _number(line, "STEP")
+
+    def note_ps_memory():  # the ps (process and memory) once a new chief trains
+        next_step(0)
+        pid = run.task_pid("ps0", "ps:0")
+        ps_memory.append((pid, psutil.Process(pid).memory_info().rss))
+
+    note_ps_memory()
+    for event, threshold in zip(events, thresholds):
+        next_step(threshold)
+        if event == "kill worker":
+            os.kill(run.task_pid("w0", "worker:0"), signal.SIGKILL)
+            run.read_until("w0", lambda line: "worker:0 is back" in line)
+            continue
+        if event == "kill ps":
+            os.kill(run.task_pid("ps0", "ps:0"), signal.SIGKILL)
+        elif event == "kill chief":
+            os.kill(run.task_pid("chief", "chief:0"), signal.SIGKILL)
+        elif event == "preempt":
+            run.procs["chief"].send_signal(signal.SIGTERM)
+            line = run.read_until("chief", lambda l: "[chief] STOPPED " in l)
+            stopped_at = _number(line, "STOPPED")
+            run.read_until("chief", lambda l: "the chief stopped with exit code 143" in l)
+            assert run.procs["chief"].wait(timeout=60) == 143
+            run.start("chief", *chief_flags)  # the new pod
+            line = run.read_until("chief", lambda l: "[chief] EPOCH " in l)
+            resumed_at = int(line.split()[-1])
+        elif event == "ps host down":
+            os.kill(run.procs["ps0"].pid, signal.SIGKILL)  # its ps follows its launcher
+            os.kill(run.task_pid("chief", "chief:0"), signal.SIGKILL)
+            run.read_until("chief", lambda l: "waiting up to" in l and "ps:0" in l)
+            time.sleep(rng.uniform(1.0, 4.0))  # the chief waits for the host, not fails
+            run.start("ps0", "--tasks", "ps:0", "--backoff", "0.5")
+        note_ps_memory()
+
+    line = run.read_until("chief", lambda l: "[chief] RESULT " in l, timeout=600)
+    assert run.procs["chief"].wait(timeout=60) == 0, "\n".join(run.lines[-60:])
+    result = json.loads(line.split("RESULT ", 1)[1])
+    assert 2000 <= result["iterations"] <= 2000 + len(events) * 5, result
+    assert result["batches"][-1] == 500.0  # the final epoch's metrics, exact
+    assert stopped_at is not None and resumed_at == stopped_at  # SIGTERM cost no step
+    # 6 chief incarnations, each on a ps process of its own: none holds an earlier chief's
+    # 25.6 MB table, and the ps's memory does not grow with the restarts.
+    assert len({pid for pid, _ in ps_memory}) == 6, ps_memory
+    rss = [r for _, r in ps_memory]
+    assert max(rss) < rss[0] + 200e6, ps_memory
+    assert not (tmp_path / "backup").exists()
+    assert run.stop_all() == {"ps0": 143, "w0": 143, "w1": 143}
+    # The ps host's launcher restarted its ps each time a chief went away (the ps killed, the
+    # chief killed, the preemption, the chief killed again after the new ps host came up).
+    ps_restarts = [l for l in run.lines if "went away: restarting this host's ps" in l]
+    assert len(ps_restarts) >= 4, "\n".join(l for l in run.lines if l.startswith("ps0|"))

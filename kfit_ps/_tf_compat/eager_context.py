@@ -149,6 +149,21 @@ def cancel_queued_closures(coordinator):
 
 
 def remote_value_ready(remote_value, timeout):
-    """Waits at most `timeout` s for a scheduled function's result; True once it is there
-    (a value or an error: `fetch()` then returns or raises at once)."""
-    return remote_value._status_available_event.wait(timeout)
+    """Waits at most `timeout` s for a scheduled function's result; True once `fetch()`
+    returns or raises without waiting on a worker.
+
+    TensorFlow's coordinator thread copies each finished function's result from its
+    worker to the chief, holding the value's lock, with no deadline: a result whose
+    worker stopped after finishing never arrives. So the result counts as there once
+    its status is set and nobody is copying it (copied already, or free to copy).
+    """
+    deadline = time.monotonic() + timeout
+    if not remote_value._status_available_event.wait(timeout):
+        return False
+    if remote_value._has_fetched_to_local:
+        return True
+    lock = remote_value._has_fetched_to_local_lock
+    if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        return False  # Being copied from its worker.
+    lock.release()
+    return True

@@ -11,9 +11,14 @@ from kfit_ps import constants
 from kfit_ps.cli.flags import flag_error
 
 
-def network(requested, argv):
+def network(requested, argv, required_by=None):
     """Re-executes in a private network namespace when `requested` is "isolated" and that is
-    possible (never returns then); returns the mode that runs, after saying which."""
+    possible (never returns then); returns the mode that runs, after saying which.
+
+    `required_by`: the flag that asked for isolation explicitly (`--isolated`); where
+    isolation is impossible, the command then stops with status 2 instead of running on
+    the open network.
+    """
     from kfit_ps.launch import isolation
 
     if isolation.inside():
@@ -26,6 +31,11 @@ def network(requested, argv):
         why = isolation.available()
         if why is None:
             isolation.reexec_isolated([sys.executable, "-m", "kfit_ps.cli.main", *argv])
+        if required_by:
+            print(f"kfit-ps: {required_by}: a private network namespace is not available here "
+                  f"({why}); nothing was started. Fix that, or drop {required_by} to run on this "
+                  "machine's network (see docs/security.md).", file=sys.stderr, flush=True)
+            sys.exit(2)
         print(f"kfit-ps: network not isolated ({why}): the servers use this machine's "
               "network.", file=sys.stderr, flush=True)
     return "host"
@@ -64,7 +74,7 @@ def cmd_run(args, parser):
     if args.isolated and args.tasks is not None:
         flag_error(parser, "--isolated", "with --tasks", "isolates a job that runs on this "
                     "machine alone; a host of a multi-host job needs its network.")
-    network("isolated" if args.isolated else "host", args.argv)
+    network("isolated" if args.isolated else "host", args.argv, required_by="--isolated")
     tasks = _parse_tasks(parser, args.tasks) if args.tasks is not None else None
     try:
         config = LaunchConfig(command=_chief_command(args), num_workers=args.workers,
@@ -72,7 +82,8 @@ def cmd_run(args, parser):
                               backup_dir=args.backup_dir, save_freq=args.save_freq,
                               run_dir=args.run_dir, tasks=tasks, backoff=args.backoff,
                               max_backoff=args.max_backoff, grace=args.grace,
-                              healthy_period=args.healthy_period)
+                              healthy_period=args.healthy_period,
+                              liveness_timeout=args.liveness_timeout)
     except ValueError as e:
         parser.error(str(e))
     return Supervisor(config).run()
@@ -135,6 +146,9 @@ def add_parsers(sub):
                      help="seconds the chief gets after SIGTERM to finish its steps in flight "
                           "and write a final backup (default 20; Kubernetes allows 30 unless "
                           "told otherwise)")
+    run.add_argument("--liveness-timeout", type=float, default=60.0,
+                     help="seconds a server may accept connections without answering before "
+                          "it is killed and restarted (default 60; 0: off)")
     run.add_argument("--backup-dir", default=None,
                      help="fit backs up here and resumes from it after a restart")
     run.add_argument("--save-freq", default="epoch", type=_save_freq,

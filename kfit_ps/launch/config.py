@@ -35,6 +35,9 @@ class LaunchConfig:
             SIGTERM unless `terminationGracePeriodSeconds` says otherwise).
         healthy_period: seconds after which a task's restart budget is full
             again if it has not failed since. Defaults to 600.
+        liveness_timeout: seconds a server of this host may accept connections
+            without answering (stopped, wedged) before it is killed and
+            restarted; 0 turns the check off. Defaults to 60.
     """
 
     command: tuple = ()
@@ -50,6 +53,7 @@ class LaunchConfig:
     ps_failure_grace: float = 60.0
     grace: float = 20.0
     healthy_period: float = 600.0
+    liveness_timeout: float = 60.0
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -65,7 +69,8 @@ class LaunchConfig:
             set_("save_freq", validation.check_int(
                 "save_freq", self.save_freq, 1, owner="LaunchConfig",
                 hint="(--save-freq) Pass 'epoch' or a number of steps."))
-        for name in ("backoff", "max_backoff", "ps_failure_grace", "grace", "healthy_period"):
+        for name in ("backoff", "max_backoff", "ps_failure_grace", "grace", "healthy_period",
+                     "liveness_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"LaunchConfig: `{name}` must be a number of seconds >= 0. "

@@ -41,7 +41,9 @@ from kfit_ps.cluster.local import LocalCluster
 from kfit_ps.cluster.start_errors import ServerNotReady
 from kfit_ps.cluster.spec import ClusterConfig
 from kfit_ps.launch import chief_process
+from kfit_ps.launch.chief_watch import ChiefWatch
 from kfit_ps.launch.events import TaskExit
+from kfit_ps.launch.liveness import LivenessWatch
 from kfit_ps.launch.policy import Action, RestartPolicy
 
 CHIEF = "chief:0"
@@ -78,6 +80,8 @@ class Supervisor:
         self._due = {}  # task (or JOB) -> when to restart it: back-offs never block the loop
         self._busy = False  # starting processes: a stop signal interrupts at once
         self._chief_due = False  # a job restart waits for its servers before its chief
+        self._chief_watch = None  # a host of ps tasks without the chief watches it
+        self._liveness = LivenessWatch(config.liveness_timeout)
 
     def say(self, message):
         print(f"kfit-ps run: {message}", file=self.out, flush=True)
@@ -135,7 +139,16 @@ class Supervisor:
         self._start_servers()
         if self.config.runs_chief:
             self._start_chief()
+        else:
+            self._chief_watch = self._make_chief_watch()
         self._write_tasks()
+
+    def _make_chief_watch(self):
+        config = self.cluster.config if self.cluster is not None else None
+        has_ps = any(t == constants.PS for t, _ in (self.config.tasks or ()))
+        if config is None or not has_ps or not config.num_tasks(constants.CHIEF):
+            return None
+        return ChiefWatch(config.address(constants.CHIEF, 0))
 
     def _start_servers(self):
         """Starts this host's servers; one that does not start serving in time is killed and
@@ -187,6 +200,8 @@ class Supervisor:
                 self._stop_chief_if_ps_grace_passed()
                 self._restart_what_is_due()
                 self._start_chief_once_servers_serve()
+                self._restart_ps_when_the_chief_went_away()
+                self._kill_wedged_servers()
                 time.sleep(0.1)
                 continue
             decision = self.policy.decide(event, server_lost=self._server_lost)
@@ -274,6 +289,34 @@ class Supervisor:
             news = f"{task} did not start: {str(e).splitlines()[0]}"
         self._write_tasks()  # Before the news: whoever reads "is back" finds tasks.json current.
         self.say(news)
+
+    def _restart_ps_when_the_chief_went_away(self):
+        """Restarts this host's ps tasks once the chief they served is gone (not counted
+        against their budget): a ps never keeps a dead chief's variables."""
+        if self._chief_watch is None or not self._chief_watch.gone():
+            return
+        self.say(f"the chief ({self._chief_watch.address}) went away: restarting this host's "
+                 "ps tasks so that its variables do not stay in their memory")
+        for task_type, index in self.cluster.server_tasks():
+            task = f"{task_type}:{index}"
+            if task_type == constants.PS and task not in self._due:
+                self._seen.add((task, self.cluster.pid(task_type, index)))
+                self.cluster.kill(task_type, index)  # (returns at once if it already ended)
+                self._restart_server(task)
+
+    def _kill_wedged_servers(self):
+        """SIGKILLs a server that accepts connections but has stopped answering; its exit is
+        then decided on like any other (a worker is restarted, TensorFlow re-runs its work)."""
+        if self.cluster is None or self.cluster.config is None:
+            return
+        exited = self.cluster.exited()
+        servers = {f"{t}:{i}": (self.cluster.pid(t, i), self.cluster.config.address(t, i))
+                   for t, i in self.cluster.server_tasks() if (t, i) not in exited}
+        for task in self._liveness.wedged(servers):
+            self.say(f"{task} accepts connections but has not answered for "
+                     f"{self._liveness.timeout:g} s (--liveness-timeout): killing it")
+            task_type, index = task.split(":")
+            self.cluster.kill(task_type, int(index))
 
     def _not_ready(self, error):
         """Kills a server that runs but does not serve; its restart is due after a back-off."""

@@ -24,9 +24,11 @@ import time
 import tensorflow as tf
 
 from kfit_ps import _tf_compat, constants, net
-from kfit_ps.errors import ParameterServerError, WorkerResultLostError, WorkersLostError
+from kfit_ps.errors import (ParameterServerError, WorkerResultLostError, WorkersLostError,
+                            WorkerStalledError)
 
 _WAIT_SLICE_SECONDS = 1.0
+_PROBE_SECONDS = 5.0  # between two handshakes with each worker (`net.answers_grpc`)
 _PS_TASK = re.compile(r"/job:ps/replica:\d+/task:(\d+)")
 _WORKER_TASK = re.compile(r"/job:worker/replica:\d+/task:(\d+)")
 # Errors that a lost or restarted ps produces (its variables are gone or unreachable).
@@ -35,20 +37,42 @@ _PS_LOSS_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors
 
 
 class _WorkerWatch:
-    """Raises `WorkersLostError` once no worker has accepted connections for `timeout` s."""
+    """Raises `WorkersLostError` once no worker has accepted connections for `timeout` s, and
+    `WorkerStalledError` once a worker has accepted connections without answering for as
+    long (a stopped or wedged process: its functions never finish)."""
 
     def __init__(self, addresses, timeout):
         self.addresses, self.timeout = list(addresses), timeout
         self._all_down_since = None
+        self._silent_since = {}
+        self._next_probe = 0.0
 
     def any_reachable(self):
         return any(net.accepts_connections(a) for a in self.addresses)
 
+    def _check_answers(self, now):
+        if now < self._next_probe:
+            return
+        self._next_probe = now + _PROBE_SECONDS
+        for index, address in enumerate(self.addresses):
+            if not net.accepts_connections(address) or net.answers_grpc(address):
+                self._silent_since.pop(address, None)  # Down is TensorFlow's to recover.
+                continue
+            since = self._silent_since.setdefault(address, now)
+            if now - since >= self.timeout:
+                raise WorkerStalledError(
+                    f"Worker {index} ({address}) accepts connections but has not answered for "
+                    f"{self.timeout:g} s (worker_timeout): the process is stopped or wedged, "
+                    "and the functions it holds never finish. Restart it (kfit-ps run kills and "
+                    "restarts such a worker by itself, see --liveness-timeout) and rerun the "
+                    "script to resume from its last backup.", tasks=[f"worker:{index}"])
+
     def check(self):
+        now = time.monotonic()
         if self.any_reachable():
             self._all_down_since = None
+            self._check_answers(now)
             return
-        now = time.monotonic()
         if self._all_down_since is None:
             self._all_down_since = now
         elif now - self._all_down_since >= self.timeout:
