@@ -244,3 +244,59 @@ def test_stock_keras_tensorboard_in_the_evaluator(checkpoints, tmp_path):
                                          max_evaluations=2, callbacks=[board])
     assert len(evaluator.start()) == 2
     assert list((tmp_path / "tb" / "validation").glob("events.*"))
+
+
+def test_a_restarted_evaluator_keeps_its_best_and_never_overwrites_a_better_export(
+        checkpoints, tmp_path):
+    best = tmp_path / "best.keras"
+    first = kfit_ps.SidecarEvaluator(build_model(), eval_data(), str(checkpoints),
+                                     log_dir=str(tmp_path), export_best=str(best),
+                                     poll_interval=0.1)
+    losses = {os.path.basename(e.path): e.logs["loss"] for e in first.start()}
+    exported = best.read_bytes()
+    # The evaluator restarts (its pod was rescheduled) and sees two earlier checkpoints
+    # again (written anew): one worse than the best so far must not replace the export.
+    later = tmp_path / "later"
+    later.mkdir()
+    for name in ("ckpt-1-05.weights.h5", "ckpt-1-10.weights.h5"):
+        for suffix in ("", ".kfit_ps.json"):
+            (later / (name + suffix)).write_bytes((checkpoints / (name + suffix)).read_bytes())
+    (later / "kfit_ps_training_done.json").write_text('{"step": 20}')
+    restarted = kfit_ps.SidecarEvaluator(build_model(), eval_data(), str(later),
+                                         log_dir=str(tmp_path), export_best=str(best),
+                                         poll_interval=0.1)
+    assert restarted.best == pytest.approx(min(losses.values()), rel=1e-6)
+    restarted.start()
+    if min(losses.values()) < min(losses[n] for n in ("ckpt-1-05.weights.h5",
+                                                      "ckpt-1-10.weights.h5")):
+        assert best.read_bytes() == exported  # the better export stays
+    assert keras.models.load_model(str(best)).evaluate(
+        eval_data(), verbose=0, return_dict=True)["loss"] == pytest.approx(
+            min(losses.values()), rel=1e-6)
+
+
+def test_the_evaluator_stops_with_the_error_when_training_failed(strategy, tmp_path):
+    directory = tmp_path / "ckpt"
+
+    class Bug(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                raise ValueError("a bug in the training script")
+
+    with strategy.scope():
+        model = build_model()
+    with pytest.raises(ValueError, match="a bug in the training script"):
+        model.fit(kfit_ps.DatasetCreator(helpers.regression_dataset_fn()), epochs=3,
+                  steps_per_epoch=10, verbose=0, callbacks=[kfit_ps.callbacks.ModelCheckpoint(
+                      str(directory / "ckpt-{epoch}.weights.h5"), save_weights_only=True),
+                      Bug()])
+    evaluator = kfit_ps.SidecarEvaluator(build_model(), eval_data(), str(directory),
+                                         log_dir=str(tmp_path), poll_interval=0.1)
+    evaluations = evaluator.start()  # Returns: no "done" file will ever come.
+    assert [e.step for e in evaluations] == [10]  # what was published before the failure
+    assert evaluator.training_failed == "ValueError: a bug in the training script"
+    proc = run_cli(["--checkpoint-dir", str(directory), "--model-fn",
+                    "tests.test_sidecar_evaluator:build_model", "--data-fn",
+                    "tests.test_sidecar_evaluator:eval_data"])
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "training failed (ValueError: a bug in the training script)" in proc.stderr

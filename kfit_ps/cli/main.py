@@ -164,6 +164,10 @@ def _cmd_evaluator(args, parser):
     for evaluation in evaluator.evaluate_as_they_come():
         print(json.dumps({"checkpoint": os.path.basename(evaluation.path),
                           "step": evaluation.step, **evaluation.logs}), flush=True)
+    if evaluator.training_failed is not None:
+        print(f"kfit-ps evaluator: training failed ({evaluator.training_failed}); stopped "
+              f"after {len(evaluator.evaluations)} evaluations.", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -17,7 +17,9 @@ weights with an old step. A marker that is missing, half written or that
 describes other bytes means "not published (yet)".
 
 A training job's directory also gets `kfit_ps_training.json` when `fit`
-starts and `kfit_ps_training_done.json` (with the final step) when it ends.
+starts, `kfit_ps_training_done.json` (with the final step) when it ends, and
+`kfit_ps_training_failed.json` (with the error) when the program failed in
+`fit` (an error that no restart retries).
 """
 
 import hashlib
@@ -30,6 +32,7 @@ import tensorflow as tf
 MARKER_SUFFIX = ".kfit_ps.json"
 RUNNING_FILE = "kfit_ps_training.json"
 DONE_FILE = "kfit_ps_training_done.json"
+FAILED_FILE = "kfit_ps_training_failed.json"
 _CHUNK = 16 << 20
 
 
@@ -129,7 +132,21 @@ def read_verified(checkpoint_path, marker):
 
 def mark_training_started(directory):
     remove(join(directory, DONE_FILE))
+    remove(join(directory, FAILED_FILE))
     write_json(join(directory, RUNNING_FILE), {"state": "running"})
+
+
+def mark_training_failed(directory, error):
+    write_json(join(directory, FAILED_FILE), {"error": f"{type(error).__name__}: {error}"})
+
+
+def training_failed(directory):
+    """The error that ended training in `directory` (its program failed), else None."""
+    try:
+        failed = read_json(join(directory, FAILED_FILE))
+    except Unreadable:
+        return None  # Being written: as far as a reader can tell, not (yet) failed.
+    return None if failed is None else str(failed.get("error"))
 
 
 def mark_training_done(directory, step):

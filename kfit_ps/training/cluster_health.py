@@ -147,6 +147,11 @@ def _ps_tasks(error):
     return sorted({int(i) for i in _PS_TASK.findall(str(error))})
 
 
+def is_ps_loss(error):
+    """Whether `error` is one of TensorFlow's errors about a lost or restarted ps."""
+    return bool(_ps_tasks(error))
+
+
 @contextlib.contextmanager
 def cluster_errors():
     """Turns TensorFlow's errors about a lost ps into `ParameterServerError`."""

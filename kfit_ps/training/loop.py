@@ -36,7 +36,7 @@ import tensorflow as tf
 from keras.callbacks import CallbackList
 
 from kfit_ps import _tf_compat, embeddings, validation
-from kfit_ps.errors import Preempted
+from kfit_ps.errors import Preempted, is_cluster_failure
 from kfit_ps.strategy import is_kfit_strategy
 from kfit_ps.training import (cluster_health, functions, inputs, metric_state, preemption,
                               sharded_updates)
@@ -209,55 +209,60 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
     iterations = model.optimizer.iterations if model.optimizer is not None else None
 
     coordinator = strategy.coordinator
-    model.stop_training = False
-    callbacks.on_train_begin()
-    initial_epoch = _tf_compat.initial_epoch_override(model) or initial_epoch
-    first_step = 0
-    resume = sync.resume_position()
-    if resume is not None:
-        initial_epoch, first_step = resume
-    logs = {}
-    for epoch in range(initial_epoch, epochs):
-        first = first_step if epoch == initial_epoch else 0
-        model.reset_metrics()
-        accumulator = metric_state.Accumulator(
-            fns.metric_state, fetch=cluster_health.result_fetcher(strategy))
-        callbacks.on_epoch_begin(epoch)
-        counter = None
-        if progress.verbose == 1 and iterations is not None:
-            start = int(iterations.numpy()) - first  # Before dispatch: no step missed.
-            counter = lambda start=start: int(iterations.numpy()) - start  # noqa: E731
-        progress.epoch_begin(epoch, counter)
-        with progress.joining():
-            step = first
-            for stop in sync.stops(epoch, first):
-                sizes = schedule_steps(
-                    coordinator, step, stop, model.steps_per_execution, fns.train, (iterator,),
-                    callbacks.on_train_batch_begin, callbacks.on_train_batch_end, accumulator,
-                    should_stop=preemption.requested)
-                # On SIGTERM, functions no worker started are dropped: the newest ones.
-                cancelled = cluster_health.join(strategy, cancel_when=preemption.requested)
-                accumulator.discard_newest(cancelled)
-                accumulator.commit()
-                logs = metric_logs(model)
-                reached = step + sum(sizes[:len(sizes) - cancelled])
-                if reached < stop:
-                    _stop_preempted(sync, epoch, reached, logs, steps_per_epoch)
-                callbacks.on_train_batch_end(stop - 1, dict(logs))
-                sync.synchronised(epoch, stop, dict(logs))
-                step = stop
-                if model.stop_training:
-                    break
-        if evaluation is not None and (epoch + 1) % validation_freq == 0:
-            val_logs = evaluation.run(callbacks)
-            logs.update({f"val_{k}": v for k, v in val_logs.items()})
-        progress.epoch_end(logs)
-        logs.update(embeddings.epoch_stats(model))  # Dynamic tables: rows, admitted, evicted.
-        callbacks.on_epoch_end(epoch, logs)
-        if model.stop_training:
-            break
-    callbacks.on_train_end(logs)
-    return model.history
+    try:
+        model.stop_training = False
+        callbacks.on_train_begin()
+        initial_epoch = _tf_compat.initial_epoch_override(model) or initial_epoch
+        first_step = 0
+        resume = sync.resume_position()
+        if resume is not None:
+            initial_epoch, first_step = resume
+        logs = {}
+        for epoch in range(initial_epoch, epochs):
+            first = first_step if epoch == initial_epoch else 0
+            model.reset_metrics()
+            accumulator = metric_state.Accumulator(
+                fns.metric_state, fetch=cluster_health.result_fetcher(strategy))
+            callbacks.on_epoch_begin(epoch)
+            counter = None
+            if progress.verbose == 1 and iterations is not None:
+                start = int(iterations.numpy()) - first  # Before dispatch: no step missed.
+                counter = lambda start=start: int(iterations.numpy()) - start  # noqa: E731
+            progress.epoch_begin(epoch, counter)
+            with progress.joining():
+                step = first
+                for stop in sync.stops(epoch, first):
+                    sizes = schedule_steps(
+                        coordinator, step, stop, model.steps_per_execution, fns.train, (iterator,),
+                        callbacks.on_train_batch_begin, callbacks.on_train_batch_end, accumulator,
+                        should_stop=preemption.requested)
+                    # On SIGTERM, functions no worker started are dropped: the newest ones.
+                    cancelled = cluster_health.join(strategy, cancel_when=preemption.requested)
+                    accumulator.discard_newest(cancelled)
+                    accumulator.commit()
+                    logs = metric_logs(model)
+                    reached = step + sum(sizes[:len(sizes) - cancelled])
+                    if reached < stop:
+                        _stop_preempted(sync, epoch, reached, logs, steps_per_epoch)
+                    callbacks.on_train_batch_end(stop - 1, dict(logs))
+                    sync.synchronised(epoch, stop, dict(logs))
+                    step = stop
+                    if model.stop_training:
+                        break
+            if evaluation is not None and (epoch + 1) % validation_freq == 0:
+                val_logs = evaluation.run(callbacks)
+                logs.update({f"val_{k}": v for k, v in val_logs.items()})
+            progress.epoch_end(logs)
+            logs.update(embeddings.epoch_stats(model))  # Dynamic tables: rows, admitted, evicted.
+            callbacks.on_epoch_end(epoch, logs)
+            if model.stop_training:
+                break
+        callbacks.on_train_end(logs)
+        return model.history
+    except Exception as e:
+        if not (is_cluster_failure(e) or cluster_health.is_ps_loss(e)):
+            sync.failed(e)  # The program failed: no restart resumes this training.
+        raise
 
 
 def _stop_preempted(sync, epoch, step, logs, steps_per_epoch):

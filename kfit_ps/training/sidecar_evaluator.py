@@ -17,8 +17,15 @@ flight and skipped. Other directories' files (stock Keras callbacks) are
 evaluated once they have not changed for `settle_seconds`; if loading still
 fails (a partly written file), they are retried on later polls.
 
+Each checkpoint's bytes are read when it is evaluated: one checkpoint at a
+time is in memory, however many wait. With `export_best`, the export is
+published with a marker holding the monitored value, and a restarted
+evaluator starts from that value: it never overwrites a better export.
+
 When does it stop? At `max_evaluations`; when kfit_ps training has written
-its "training done" file and every checkpoint is evaluated; or after
+its "training done" file and every checkpoint is evaluated; when kfit_ps
+training has written its "training failed" file (the program failed in
+`fit`; `training_failed` then holds the error); or after
 `idle_timeout` seconds without a new checkpoint. Stock Keras callbacks write
 no "done" file, so for a directory that kfit_ps training has not written,
 `idle_timeout=None` means `KFIT_PS_EVALUATOR_IDLE_TIMEOUT` (30 minutes by
@@ -136,7 +143,8 @@ class SidecarEvaluator:
         self.poll_interval, self.idle_timeout = poll_interval, idle_timeout
         self.settle_seconds = settle_seconds
         self.evaluations = []
-        self.best = None
+        self.best = self._best_so_far()
+        self.training_failed = None  # The training job's error, once it failed.
         self._seen = set()
         self._writer = None
         self._scratch = None
@@ -144,7 +152,11 @@ class SidecarEvaluator:
     # Discovery ---------------------------------------------------------------------------
 
     def _candidates(self):
-        """Checkpoints not yet evaluated, as (key, path, data, step or None), in order."""
+        """Checkpoints not yet evaluated, as (key, path, marker or None), in training order.
+
+        Only names, markers and sizes are read here; each file's bytes are read when
+        it is evaluated (`_read`), so one checkpoint at a time is in memory.
+        """
         try:
             names = tf.io.gfile.listdir(self.checkpoint_dir)
         except tf.errors.NotFoundError:
@@ -169,11 +181,8 @@ class SidecarEvaluator:
                 marker = None  # A marker being written: its file is not published yet.
             if marker is not None:
                 key = (path, marker.get("sha256"))
-                if key in self._seen:
-                    continue
-                data = checkpoint_files.read_verified(path, marker)
-                if data is None:  # Rewritten since its marker: wait for the new marker.
-                    continue
+                if key in self._seen or stat.length != marker.get("size"):
+                    continue  # Evaluated, or rewritten since its marker: wait for a new one.
                 step = marker["step"]
             elif managed or now - stat.mtime_nsec / 1e9 < self.settle_seconds:
                 continue  # In flight (kfit_ps publishes with a marker), or still changing.
@@ -181,13 +190,22 @@ class SidecarEvaluator:
                 key = (path, "file", stat.mtime_nsec, stat.length)
                 if key in self._seen:
                     continue
-                with tf.io.gfile.GFile(path, "rb") as f:
-                    data = f.read()
                 step = None
-            found.append((stat.mtime_nsec, key, path, data, step))
+            found.append((stat.mtime_nsec, key, path, marker, step))
         # In training order: by step where a marker gives it (file times may tie), then time.
         found.sort(key=lambda item: (item[4] is None, item[4] or 0, item[0], item[2]))
-        return [(key, path, data, step) for _, key, path, data, step in found]
+        return [(key, path, marker) for _, key, path, marker, _ in found]
+
+    @staticmethod
+    def _read(path, marker):
+        """The checkpoint's bytes: those its marker describes (None if it was rewritten)."""
+        if marker is not None:
+            return checkpoint_files.read_verified(path, marker)
+        try:
+            with tf.io.gfile.GFile(path, "rb") as f:
+                return f.read()
+        except tf.errors.NotFoundError:
+            return None
 
     # One evaluation ----------------------------------------------------------------------
 
@@ -231,6 +249,24 @@ class SidecarEvaluator:
         summaries.write_scalars(self._writer, "evaluation_{}_vs_iterations", evaluation.logs,
                                 evaluation.step)
 
+    def _best_so_far(self):
+        """The monitored value of an export an earlier run of this evaluator published."""
+        if self.export_best is None:
+            return None
+        try:
+            marker = checkpoint_files.read_marker(self.export_best)
+        except checkpoint_files.Unreadable:
+            return None
+        if (marker is None or marker.get("monitor") != self.monitor
+                or marker.get("mode") != self.mode):
+            return None
+        if checkpoint_files.fingerprint(self.export_best) != (marker.get("size"),
+                                                              marker.get("sha256")):
+            return None
+        logger.info("SidecarEvaluator: %s already holds the best model so far (%s=%.6g)",
+                    self.export_best, self.monitor, marker["value"])
+        return float(marker["value"])
+
     def _maybe_export(self, evaluation):
         if self.export_best is None or self.monitor not in evaluation.logs:
             return
@@ -239,6 +275,8 @@ class SidecarEvaluator:
             self.best = value
             checkpoint_files.unpublish(self.export_best)
             self.model.save(self.export_best, overwrite=True)
+            checkpoint_files.publish(self.export_best, evaluation.step, 0, monitor=self.monitor,
+                                     mode=self.mode, value=value)  # Read back on a restart.
             logger.info("exported best model (%s=%.6g) to %s", self.monitor, value,
                         self.export_best)
 
@@ -270,8 +308,13 @@ class SidecarEvaluator:
             while not self._done():
                 finished = checkpoint_files.training_done(self.checkpoint_dir) is not None
                 progressed = False
+                failed = checkpoint_files.training_failed(self.checkpoint_dir)
                 candidates = self._candidates()
-                for key, path, data, step in candidates:
+                for key, path, marker in candidates:
+                    data = self._read(path, marker)
+                    if data is None:
+                        continue  # Rewritten since it was listed: its new marker comes next.
+                    step = None if marker is None else marker["step"]
                     try:
                         evaluation = self._evaluate(path, data, step)
                     except (OSError, ValueError) as e:
@@ -290,6 +333,12 @@ class SidecarEvaluator:
                 if finished:
                     # kfit_ps training marks itself done after publishing its last
                     # checkpoint, so this scan saw them all; unpublished files never will be.
+                    break
+                if failed is not None:
+                    self.training_failed = failed
+                    logger.error("SidecarEvaluator: training in %s failed (%s); no new "
+                                 "checkpoint will come. Stopping after %d evaluations.",
+                                 self.checkpoint_dir, failed, len(self.evaluations))
                     break
                 idle_timeout = self._idle_timeout()
                 if idle_timeout is not None and self.idle_timeout is None and (

@@ -18,6 +18,8 @@ still being applied. `SyncCallback` is how it asks:
   to stop (SIGTERM, `kfit_ps.training.preemption`), after the steps in flight
   finished: the last chance to save a consistent state before `fit` raises
   `kfit_ps.errors.Preempted`.
+- `on_train_failed(error)` is called when `fit` raises an error of the
+  program (not of the cluster, which a restart retries).
 
 The loop also joins at every epoch end, as always; `SyncPoints` computes the
 union of the points.
@@ -51,6 +53,10 @@ class SyncCallback(keras.callbacks.Callback):
     def on_train_preempt(self, epoch, step, logs):
         """Called once `step` steps of `epoch` are applied and `fit` is about to stop."""
 
+    def on_train_failed(self, error):
+        """Called when `fit` raises `error`, a failure of the program (not of the cluster):
+        no restart will resume this training."""
+
 
 class SyncPoints:
     """Where one `fit` call synchronises, from its callbacks' `sync_every`."""
@@ -76,6 +82,11 @@ class SyncPoints:
                 points.add(point - base)
                 point += n
         return sorted(p for p in points if p > first)
+
+    def failed(self, error):
+        """Tells every callback that `fit` fails with `error` (the program's, not retried)."""
+        for cb in self._callbacks:
+            cb.on_train_failed(error)
 
     def preempted(self, epoch, step, logs):
         """Tells every callback that `fit` stops after `step` steps of `epoch` (all applied)."""

@@ -83,6 +83,9 @@ class ModelCheckpoint(SyncCallback):
         if self.sync_every is None:
             self._save(epoch, None, logs or {})
 
+    def on_train_failed(self, error):
+        checkpoint_files.mark_training_failed(self.directory, error)
+
     def on_train_end(self, logs=None):
         checkpoint_files.mark_training_done(self.directory,
                                             checkpoint_files.training_step(self.model))
