@@ -373,3 +373,32 @@ def test_server_api_imports_only_the_server_classes_where_that_loads_the_same_ru
     # In a process that has TensorFlow already (`kfit-ps server`): the ordinary classes.
     assert server_lib.bare_import_reason() == "TensorFlow is already imported"
     assert server_lib.server_api(bare=True)[:2] == (tf.distribute.Server, tf.train.ClusterSpec)
+
+
+def test_queued_functions_are_cancelled_and_results_are_ready_only_once_copied(strategy):
+    """`cancel_queued_closures` (a SIGTERM in fit) and `remote_value_ready` (bounded waits)
+    on TensorFlow's coordinator: queued functions are dropped, the running ones finish."""
+    coordinator = strategy.coordinator
+
+    @tf.function
+    def slow():
+        x = tf.random.stateless_normal((400, 400), seed=(1, 2))
+        return tf.reduce_sum(tf.foldl(lambda acc, _: tf.matmul(acc, x) / 400.0,
+                                      tf.range(40), initializer=x))
+
+    results = [coordinator.schedule(slow) for _ in range(24)]
+    cancelled = _tf_compat.cancel_queued_closures(coordinator)
+    assert 0 < cancelled < 24  # the running ones (one per worker at least) were not dropped
+    coordinator.join()  # returns once the running ones finished
+    done, dropped = results[:24 - cancelled], results[24 - cancelled:]  # first in, first out
+    for remote in done:
+        assert _tf_compat.remote_value_ready(remote, 10.0)
+        assert np.isfinite(remote.fetch())
+    for remote in dropped:
+        assert _tf_compat.remote_value_ready(remote, 0.0)  # an error is there at once
+        with pytest.raises(tf.errors.CancelledError):
+            remote.fetch()
+    pending = coordinator.schedule(slow)
+    assert not _tf_compat.remote_value_ready(pending, 0.0)  # not finished yet
+    assert _tf_compat.remote_value_ready(pending, 60.0)
+    coordinator.join()
