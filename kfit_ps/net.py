@@ -45,17 +45,27 @@ def distinct_ports(host, count, taken, probe=free_port, tries=100):
 _HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
 
 
-def answers_grpc(address, timeout=2.0):
-    """Whether a gRPC server at `host:port` answers an HTTP/2 handshake within `timeout` s.
+def grpc_state(address, timeout=2.0):
+    """`"answers"`, `"silent"` or `"down"`: how a gRPC server at `host:port` takes an HTTP/2
+    handshake within `timeout` seconds.
 
-    Stronger than `accepts_connections`: the kernel accepts connections for a process that
-    is stopped or wedged, but only a running server answers.
+    A running server answers at once, from its I/O threads. A process that is stopped or
+    wedged is *silent*: the kernel still accepts connections for it until its listen
+    backlog is full, then lets them time out. A process that is gone is *down*: the
+    connection is refused.
     """
     host, _, port = address.rpartition(":")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as s:
             s.settimeout(timeout)
             s.sendall(_HTTP2_PREFACE)
-            return len(s.recv(9)) > 0
+            return "answers" if s.recv(9) else "down"
+    except (socket.timeout, TimeoutError):
+        return "silent"
     except OSError:
-        return False
+        return "down"
+
+
+def answers_grpc(address, timeout=2.0):
+    """Whether a gRPC server at `host:port` answers an HTTP/2 handshake (`grpc_state`)."""
+    return grpc_state(address, timeout) == "answers"

@@ -1,5 +1,6 @@
 """A worker killed mid-fit and restarted: fit completes, with no hang."""
 
+import psutil
 import pytest
 
 from tests import helpers
@@ -195,20 +196,41 @@ def test_leaving_the_cluster_while_a_worker_recovers_never_crashes():
             burner.wait()
 
 
-LOSE_TASKS = """
+# 2 workers + 1 ps, a 4-1 dense model: the cluster the scripts below lose tasks of. The code
+# after it runs inside the `with`; `report_cluster_error(e, since)` reports a ClusterError.
+SMALL_JOB = """
+import signal, threading
 from tests import helpers as h
-os.environ["KFIT_PS_WORKER_TIMEOUT"] = "4"
+os.environ["KFIT_PS_WORKER_TIMEOUT"] = __TIMEOUT__
 with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
     strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
     with strategy.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-        model.compile(optimizer="sgd", loss="mse")
+        model.compile(optimizer="sgd", loss="mse", metrics=[h.counting_metric()],
+                      steps_per_execution=__SPE__)
+
+    def report_cluster_error(e, since):
+        report(raised=type(e).__name__, message=str(e), tasks=list(e.tasks),
+               seconds=time.monotonic() - since)
+"""
+
+
+def small_job(body, timeout=4, steps_per_execution=1, **names):
+    """`SMALL_JOB` + `body`, with each `__NAME__` in them replaced by `repr(names[NAME])`."""
+    names = dict(names, TIMEOUT=str(timeout), SPE=steps_per_execution)
+    code = SMALL_JOB + body
+    for name, value in names.items():
+        code = code.replace(f"__{name}__", repr(value))
+    return code
+
+
+LOSE_TASKS = """
     killed = []
 
     class Lose(keras.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):
             if epoch == 0:
-                for task in TASKS:
+                for task in __TASKS__:
                     cluster.kill(*task)
                 killed.append(time.monotonic())
 
@@ -217,15 +239,14 @@ with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
                   steps_per_epoch=50, verbose=0, callbacks=[Lose()])
         report(raised=None)
     except kfit_ps.ClusterError as e:
-        report(raised=type(e).__name__, message=str(e), tasks=list(e.tasks),
-               seconds=time.monotonic() - killed[0])
+        report_cluster_error(e, killed[0])
 os._exit(0)
 """
 
 
 def lose(tasks):
     """Runs a 3-epoch fit whose `tasks` are killed after epoch 0; returns what it raised."""
-    return helpers.run_chief(LOSE_TASKS.replace("TASKS", repr(tasks)), timeout=240)
+    return helpers.run_chief(small_job(LOSE_TASKS, TASKS=tasks), timeout=240)
 
 
 @pytest.mark.chaos
@@ -253,18 +274,10 @@ def test_a_lost_ps_stops_fit_promptly_with_a_typed_error():
 # Every worker SIGKILLed at a random point of a long epoch (or evaluation), while the chief
 # schedules, folds metric results or joins: whatever it waits on, it must raise.
 LOSE_ALL_WORKERS_AT = """
-import threading
-from tests import helpers as h
-os.environ["KFIT_PS_WORKER_TIMEOUT"] = "3"
-with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
-    strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-        model.compile(optimizer="sgd", loss="mse", metrics=[h.counting_metric()])
     killed = []
 
     def kill():
-        time.sleep(DELAY)
+        time.sleep(__DELAY__)
         for index in (0, 1):
             cluster.kill("worker", index)
         killed.append(time.monotonic())
@@ -280,13 +293,13 @@ with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
 
     data = kfit_ps.DatasetCreator(h.regression_dataset_fn())
     try:
-        if PHASE == "evaluate":
+        if __PHASE__ == "evaluate":
             model.evaluate(data, steps=100000, verbose=0, callbacks=[Start()])
         else:
             model.fit(data, epochs=1, steps_per_epoch=100000, verbose=0, callbacks=[Start()])
         report(raised=None)
     except kfit_ps.ClusterError as e:
-        report(raised=type(e).__name__, seconds=time.monotonic() - killed[0])
+        report_cluster_error(e, killed[0])
 os._exit(0)
 """
 
@@ -301,7 +314,7 @@ def test_every_wait_of_the_chief_is_bounded_by_the_worker_timeout():
               for phase in ("fit", "evaluate") for _ in range(5)]
     outcomes = []
     for phase, delay in trials:
-        code = LOSE_ALL_WORKERS_AT.replace("PHASE", repr(phase)).replace("DELAY", repr(delay))
+        code = small_job(LOSE_ALL_WORKERS_AT, timeout=3, PHASE=phase, DELAY=delay)
         result = helpers.run_chief(code, timeout=180)
         outcomes.append((phase, delay, result["raised"], result.get("seconds")))
     for phase, delay, raised, seconds in outcomes:
@@ -310,14 +323,6 @@ def test_every_wait_of_the_chief_is_bounded_by_the_worker_timeout():
 
 
 STOP_A_WORKER = """
-import signal, threading
-from tests import helpers as h
-os.environ["KFIT_PS_WORKER_TIMEOUT"] = "4"
-with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
-    strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-        model.compile(optimizer="sgd", loss="mse", steps_per_execution=5)
     stopped = []
 
     class Stop(keras.callbacks.Callback):
@@ -331,8 +336,7 @@ with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
                   steps_per_epoch=20000, verbose=0, callbacks=[Stop()])
         report(raised=None)
     except kfit_ps.ClusterError as e:
-        report(raised=type(e).__name__, message=str(e), tasks=list(e.tasks),
-               seconds=time.monotonic() - stopped[0])
+        report_cluster_error(e, stopped[0])
     finally:
         os.kill(cluster.pid("worker", 0), signal.SIGCONT)
 os._exit(0)
@@ -342,7 +346,14 @@ os._exit(0)
 @pytest.mark.chaos
 @pytest.mark.slow
 def test_a_wedged_worker_is_named_within_the_timeout():
-    result = helpers.run_chief(STOP_A_WORKER, timeout=240)
+    try:
+        result = helpers.run_chief(small_job(STOP_A_WORKER, steps_per_execution=5),
+                                   timeout=240)
+    finally:  # A chief that hung leaves its worker stopped: a stopped process never exits.
+        for proc in psutil.process_iter(["cmdline", "status"]):
+            if proc.info["status"] == psutil.STATUS_STOPPED and any(
+                    "_server_main" in part for part in proc.info["cmdline"] or ()):
+                proc.kill()
     assert result["raised"] == "WorkerStalledError", result
     assert result["tasks"] == ["worker:0"]
     assert "accepts connections but has not answered for 4 s" in result["message"]

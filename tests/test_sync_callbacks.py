@@ -207,6 +207,23 @@ def crashed_backup(strategy, backup_dir):
     return data
 
 
+def resume_from(strategy, data, backup_dir):
+    """A fresh model's 3-epoch fit with a BackupAndRestore on `backup_dir`; returns its History
+    and what it found as its first epoch began: iterations, the directory's files, the model."""
+    fresh, _ = model_and_data(strategy, optimizer="adam")
+    seen = {"model": fresh}
+
+    class Begin(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            seen.setdefault("iterations", int(fresh.optimizer.iterations.numpy()))
+            seen.setdefault("files", sorted(p.name for p in backup_dir.iterdir()))
+
+    history = fresh.fit(data, epochs=3, steps_per_epoch=5, verbose=0, callbacks=[
+        kfit_ps.callbacks.BackupAndRestore(str(backup_dir), save_freq=3,
+                                           delete_checkpoint=False), Begin()])
+    return history, seen
+
+
 def test_backup_with_a_corrupt_marker_falls_back_to_the_previous_one(strategy, tmp_path,
                                                                      caplog):
     backup_dir = tmp_path / "backup"
@@ -216,18 +233,8 @@ def test_backup_with_a_corrupt_marker_falls_back_to_the_previous_one(strategy, t
     (backup_dir / "backup-00000004.weights.h5").write_bytes(
         (backup_dir / "backup-00000003.weights.h5").read_bytes())
     (backup_dir / "backup-00000004.weights.h5.kfit_ps.json").write_text('{"step": 12, "ep')
-    fresh, _ = model_and_data(strategy, optimizer="adam")
-    resumed = {}
-
-    class Begin(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            resumed.setdefault("iterations", int(fresh.optimizer.iterations.numpy()))
-            resumed.setdefault("files", sorted(p.name for p in backup_dir.iterdir()))
-
     with caplog.at_level("WARNING", logger="kfit_ps"):
-        history = fresh.fit(data, epochs=3, steps_per_epoch=5, verbose=0, callbacks=[
-            kfit_ps.callbacks.BackupAndRestore(str(backup_dir), save_freq=3,
-                                               delete_checkpoint=False), Begin()])
+        history, resumed = resume_from(strategy, data, backup_dir)
     assert resumed["iterations"] == 9  # the complete backup, not a start from scratch
     assert resumed["files"] == sorted([p.name for p in good] + [
         "backup-00000004.weights.h5", "backup-00000004.weights.h5.kfit_ps.json"])
@@ -245,22 +252,12 @@ def test_backup_dir_without_any_complete_backup_starts_over_with_a_warning(strat
     data = crashed_backup(strategy, backup_dir)
     marker = backup_dir / "backup-00000003.weights.h5.kfit_ps.json"
     marker.write_text("not json")
-    fresh, _ = model_and_data(strategy, optimizer="adam")
-    seen = {}
-
-    class Begin(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            seen.setdefault("iterations", int(fresh.optimizer.iterations.numpy()))
-            seen.setdefault("files", sorted(p.name for p in backup_dir.iterdir()))
-
     with caplog.at_level("WARNING", logger="kfit_ps"):
-        history = fresh.fit(data, epochs=3, steps_per_epoch=5, verbose=0, callbacks=[
-            kfit_ps.callbacks.BackupAndRestore(str(backup_dir), save_freq=3,
-                                               delete_checkpoint=False), Begin()])
+        history, seen = resume_from(strategy, data, backup_dir)
     assert seen["iterations"] == 0 and history.epoch == [0, 1, 2]
     assert "backup-00000003.weights.h5" in seen["files"]  # nothing removed before a new one
     assert str(marker) in caplog.text and "starts from the beginning" in caplog.text
-    assert int(fresh.optimizer.iterations.numpy()) == 15
+    assert seen["model"].optimizer.iterations.numpy() == 15
     assert "backup-00000003.weights.h5" not in [p.name for p in backup_dir.iterdir()]
 
 

@@ -55,8 +55,8 @@ class _WorkerWatch:
             return
         self._next_probe = now + _PROBE_SECONDS
         for index, address in enumerate(self.addresses):
-            if not net.accepts_connections(address) or net.answers_grpc(address):
-                self._silent_since.pop(address, None)  # Down is TensorFlow's to recover.
+            if net.grpc_state(address) != "silent":  # Down is TensorFlow's to recover.
+                self._silent_since.pop(address, None)
                 continue
             since = self._silent_since.setdefault(address, now)
             if now - since >= self.timeout:
