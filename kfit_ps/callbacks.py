@@ -6,7 +6,7 @@ Epoch-level Keras callbacks work as they are (`EarlyStopping`,
 steps on a synchronised, consistent state:
 
 - `ModelCheckpoint(filepath, ..., save_freq="epoch" | N)`
-- `BackupAndRestore(backup_dir, save_freq="epoch" | N, delete_checkpoint=True)`
+- `BackupAndRestore(backup_dir, save_freq="epoch" | N, delete_checkpoint=None, fit_id=None)`
 - `TensorBoard(log_dir, update_freq="epoch" | N)`
 
 Write your own by subclassing `SyncCallback`.
