@@ -43,6 +43,9 @@ def test_restarts_back_off_and_are_limited_per_task():
     assert "worker:0 ended with signal SIGKILL" in final.reason
     assert "failed 4 times" in final.reason and "--max-restarts 3" in final.reason
     assert "last line" in final.reason  # the task's last log lines
+    ps = RestartPolicy(max_restarts=3, backoff=1.0, max_backoff=3.0)
+    # On a host without the chief the ps restarts alone: with the same back-off.
+    assert [decide(ps, "ps:0", -9).delay for _ in range(3)] == [1.0, 2.0, 3.0]
     policy = RestartPolicy(max_restarts=1)
     assert decide(policy, "ps:0", -9).action is Action.WAIT_FOR_CHIEF
     assert decide(policy, "ps:0", -9).action is Action.FAIL

@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import random
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import psutil
 import pytest
 
@@ -235,14 +237,22 @@ def test_multi_host_form_each_launcher_runs_its_share(tmp_path):
 
 
 # A script of several `fit`s: argv[1] is the plan, e.g. "[[2, 50], [4, 50], [1, 50]]"
-# (epochs, steps_per_epoch of each fit). It prints "EPOCH <fit> <epoch> <iterations>" as each
-# epoch begins and, at the end, each fit's History and the final iterations.
+# (epochs, steps_per_epoch of each fit); with argv[2] == "same-batch", every step trains on one
+# fixed batch, so that the weights do not depend on where the input pipeline starts. It prints
+# "EPOCH <fit> <epoch> <iterations>" as each epoch begins and, at the end, each fit's History,
+# the final iterations and weights.
 FITS = textwrap.dedent("""
     import json, sys
-    import keras, kfit_ps
+    import keras, kfit_ps, tensorflow as tf
     from tests import helpers as h
 
     plan = json.loads(sys.argv[1])
+    data_fn = h.regression_dataset_fn()
+    if sys.argv[2:] == ["same-batch"]:
+        def data_fn(ctx):
+            x = tf.random.stateless_normal((16, 4), seed=(1, 2))
+            return tf.data.Dataset.from_tensors((x, tf.reduce_sum(x, 1, keepdims=True))).repeat()
+    keras.utils.set_random_seed(7)
     strategy = kfit_ps.ParameterServerStrategy()
     with strategy.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
@@ -260,11 +270,13 @@ FITS = textwrap.dedent("""
 
     histories = []
     for k, (epochs, steps) in enumerate(plan, 1):
-        history = model.fit(kfit_ps.DatasetCreator(h.regression_dataset_fn()), epochs=epochs,
+        history = model.fit(kfit_ps.DatasetCreator(data_fn), epochs=epochs,
                             steps_per_epoch=steps, verbose=0, callbacks=[Report(k)])
         histories.append({"epoch": history.epoch, "batches": history.history["batches"]})
     print("RESULT " + json.dumps({"iterations": int(model.optimizer.iterations.numpy()),
-                                  "fits": histories}), flush=True)
+                                  "fits": histories,
+                                  "weights": [w.tolist() for w in model.get_weights()]}),
+          flush=True)
 """)
 
 
@@ -280,8 +292,9 @@ def epoch_line(line):
 def test_a_script_of_three_fits_killed_in_the_second_resumes_into_the_second(tmp_path):
     backup = tmp_path / "backup"
     plan = [[2, 50], [4, 50], [1, 50]]
+    args = (json.dumps(plan), "same-batch")
     job = Job(tmp_path, "--workers", "1", "--ps", "1", "--backup-dir", str(backup),
-              "--save-freq", "25", "--backoff", "0", script=FITS, script_args=(json.dumps(plan),))
+              "--save-freq", "25", "--backoff", "0", script=FITS, script_args=args)
     try:
         # Kill the chief once fit 2 is in its second epoch (its step 50 is backed up).
         job.read_until(lambda line: (epoch_line(line) or (0,))[:2] == (2, 1))
@@ -309,6 +322,19 @@ def test_a_script_of_three_fits_killed_in_the_second_resumes_into_the_second(tmp
     assert any("fit 1 completed in an earlier run" in line for line in job.lines)
     assert not backup.exists()  # deleted only once the script exited 0
     assert job.left_running() == []
+    # The same script, never interrupted, ends with the same weights (one worker trains each
+    # step on the same batch, so a step redone from the backup is the step it replaces).
+    (tmp_path / "uninterrupted").mkdir()
+    alone = Job(tmp_path / "uninterrupted", "--workers", "1", "--ps", "1", script=FITS,
+                script_args=args)
+    try:
+        assert alone.finish() == 0, "\n".join(alone.lines[-40:])
+    finally:
+        if alone.proc.poll() is None:
+            alone.proc.kill()
+    assert alone.result()["iterations"] == 350
+    for resumed, straight in zip(result["weights"], alone.result()["weights"]):
+        np.testing.assert_allclose(resumed, straight, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.chaos
@@ -435,4 +461,51 @@ def test_a_wedged_worker_is_killed_and_restarted(tmp_path):
     result = job.result()
     assert 900 <= result["iterations"] <= 905  # at-least-once for the wedged worker's function
     assert result["fits"][0]["batches"] == [300.0] * 3  # exactly-once metrics
+    assert job.left_running() == []
+
+
+# A job whose backups take long to write: a 2,000,000 x 16 embedding (128 MB).
+SLOW_BACKUP = textwrap.dedent("""
+    import json
+    import keras, kfit_ps, tensorflow as tf
+
+    def data_fn(ctx):
+        ids = tf.random.stateless_uniform((256, 1), seed=(1, 2), maxval=2_000_000,
+                                          dtype=tf.int32)
+        return tf.data.Dataset.from_tensor_slices((ids, tf.ones((256, 1)))).repeat().batch(32)
+
+    strategy = kfit_ps.ParameterServerStrategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((1,), dtype="int32"),
+                                  keras.layers.Embedding(2_000_000, 16), keras.layers.Flatten(),
+                                  keras.layers.Dense(1)])
+        model.compile("sgd", "mse", steps_per_execution=5)
+    model.fit(kfit_ps.DatasetCreator(data_fn), epochs=2, steps_per_epoch=100, verbose=0)
+    print("RESULT " + json.dumps({"iterations": int(model.optimizer.iterations.numpy())}),
+          flush=True)
+""")
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+def test_a_kill_during_the_first_backup_write_is_followed_by_a_successful_restart(tmp_path):
+    backup = tmp_path / "backup"
+    first = backup / "backup-00000001.weights.h5"
+    job = Job(tmp_path, "--workers", "1", "--ps", "1", "--backup-dir", str(backup),
+              "--save-freq", "50", "--backoff", "0", script=SLOW_BACKUP)
+    try:
+        chief = job.tasks()["chief:0"]
+        deadline = time.monotonic() + 240
+        while not first.exists():  # the first backup's file is being written...
+            assert time.monotonic() < deadline and job.proc.poll() is None
+            time.sleep(0.002)
+        os.kill(chief, signal.SIGKILL)  # ...and its writer dies before its marker
+        assert not pathlib.Path(str(first) + ".kfit_ps.json").exists()
+        assert job.finish() == 0, "\n".join(job.lines[-40:])
+    finally:
+        if job.proc.poll() is None:
+            job.proc.kill()
+    output = "\n".join(job.lines)
+    assert "no complete backup" in output and "training starts from the beginning" in output
+    assert job.result()["iterations"] == 200
     assert job.left_running() == []

@@ -71,11 +71,15 @@ class RestartPolicy:
             f"of each other; giving up (--max-restarts {self.max_restarts}, exit code "
             f"{exit_status.RESTARTS_EXHAUSTED}). Its last log lines:\n{event.log_tail}"))
 
+    def _delay(self, count):
+        """The back-off before the `count`-th restart: doubling, capped at `max_backoff`."""
+        return min(self.backoff * 2 ** (count - 1), self.max_backoff)
+
     def _restart(self, event, action, reason, what=None):
         count, give_up = self._count(event)
         if give_up:
             return give_up
-        delay = min(self.backoff * 2 ** (count - 1), self.max_backoff)
+        delay = self._delay(count)
         return Decision(action, delay=delay, reason=(
             f"{what or event.describe()}; {reason} (restart {count} of {self.max_restarts}, "
             f"in {delay:g} s)"))
@@ -92,8 +96,9 @@ class RestartPolicy:
             return self._restart(event, Action.RESTART_TASK,
                                  "restarting it; training continues in the same chief")
         if event.kind == "ps":
-            _, give_up = self._count(event)
-            return give_up or Decision(Action.WAIT_FOR_CHIEF, reason=(
+            # `delay` serves a host of servers, which restarts its ps alone (no chief there).
+            count, give_up = self._count(event)
+            return give_up or Decision(Action.WAIT_FOR_CHIEF, delay=self._delay(count), reason=(
                 f"{event.describe()}; the variables it held are gone: the chief stops, then "
                 "the job restarts from its last backup"))
         if event.status == 0:
