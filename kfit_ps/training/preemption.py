@@ -27,8 +27,9 @@ import signal
 import sys
 import threading
 
-_state = {"requested": False, "fits": 0, "installed": False}
-_lock = threading.Lock()
+_state = {"requested": False, "fits": 0}
+# Re-entrant: the handler runs in the main thread, which may hold the lock when it arrives.
+_lock = threading.RLock()
 
 
 def requested():
@@ -56,7 +57,6 @@ def install():
     if threading.current_thread() is not threading.main_thread():
         return
     signal.signal(signal.SIGTERM, _on_sigterm)
-    _state["installed"] = True
 
 
 def stops_at_a_safe_point(fit):
