@@ -494,6 +494,7 @@ def test_a_kill_during_the_first_backup_write_is_followed_by_a_successful_restar
     job = Job(tmp_path, "--workers", "1", "--ps", "1", "--backup-dir", str(backup),
               "--save-freq", "50", "--backoff", "0", script=SLOW_BACKUP)
     try:
+        job.read_until(lambda line: "servers ready" in line)
         chief = job.tasks()["chief:0"]
         deadline = time.monotonic() + 240
         while not first.exists():  # the first backup's file is being written...
