@@ -117,6 +117,19 @@ def read_marker(checkpoint_path):
     return read_json(checkpoint_path + MARKER_SUFFIX)
 
 
+def published_marker(checkpoint_path):
+    """(marker, None) when the file's marker describes its bytes; else (None, why not)."""
+    try:
+        marker = read_marker(checkpoint_path)
+    except Unreadable as e:
+        return None, f"{checkpoint_path}: {e}"
+    if marker is None:
+        return None, f"{checkpoint_path}: no marker (its write did not finish)"
+    if fingerprint(checkpoint_path) != (marker.get("size"), marker.get("sha256")):
+        return None, f"{checkpoint_path}: the file does not match its marker"
+    return marker, None
+
+
 def read_verified(checkpoint_path, marker):
     """The file's bytes if they are the ones `marker` describes, else None."""
     try:

@@ -253,15 +253,9 @@ class SidecarEvaluator:
         """The monitored value of an export an earlier run of this evaluator published."""
         if self.export_best is None:
             return None
-        try:
-            marker = checkpoint_files.read_marker(self.export_best)
-        except checkpoint_files.Unreadable:
-            return None
+        marker, _ = checkpoint_files.published_marker(self.export_best)
         if (marker is None or marker.get("monitor") != self.monitor
                 or marker.get("mode") != self.mode):
-            return None
-        if checkpoint_files.fingerprint(self.export_best) != (marker.get("size"),
-                                                              marker.get("sha256")):
             return None
         logger.info("SidecarEvaluator: %s already holds the best model so far (%s=%.6g)",
                     self.export_best, self.monitor, marker["value"])

@@ -110,19 +110,6 @@ class BackupAndRestore(SyncCallback):
     def _final_path(self):
         return checkpoint_files.join(self.backup_dir, f"fit-{self.fit_id}.weights.h5")
 
-    @staticmethod
-    def _complete_marker(path):
-        """The marker of `path` if it describes the file's bytes; else (None, why not)."""
-        try:
-            marker = checkpoint_files.read_marker(path)
-        except checkpoint_files.Unreadable as e:
-            return None, f"{path}: {e}"
-        if marker is None:
-            return None, f"{path}: no marker (its write did not finish)"
-        if checkpoint_files.fingerprint(path) != (marker.get("size"), marker.get("sha256")):
-            return None, f"{path}: the file does not match its marker"
-        return marker, None
-
     def _newest_complete(self, sequences):
         """(sequence, marker) of this fit's newest backup whose marker describes its file.
 
@@ -132,7 +119,7 @@ class BackupAndRestore(SyncCallback):
         skipped = []
         for sequence in sequences:
             path = self._path(sequence)
-            marker, why_not = self._complete_marker(path)
+            marker, why_not = checkpoint_files.published_marker(path)
             if marker is None:
                 skipped.append(why_not)
                 continue
@@ -166,7 +153,7 @@ class BackupAndRestore(SyncCallback):
         self._resume, self._skipped = None, None
         self._history = {"epoch": [], "history": {}}
         if self.fit_id is not None:
-            final, _ = self._complete_marker(self._final_path())
+            final, _ = checkpoint_files.published_marker(self._final_path())
             if final is not None:  # This fit completed in an earlier run of the script.
                 self._restore(self._final_path(), final)
                 self._skipped = final
