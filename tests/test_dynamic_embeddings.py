@@ -266,26 +266,32 @@ def test_string_ids_outside_a_cluster():
         layer(tf.constant([[1.5]]))
 
 
-def test_eviction_takes_a_row_without_a_count_first():
-    """A row whose count a racing eviction removed is not leaked: it goes first."""
+def test_eviction_removes_row_slots_and_count_together():
+    """One value per id holds its row and slots: eviction drops both with the count, and
+    `evicted` counts rows (an id seen but not admitted yet is dropped without counting)."""
     import keras
     import kfit_ps
+    from kfit_ps.embeddings import sparse_optimizer
 
-    layer = kfit_ps.layers.DynamicEmbedding(2, capacity=4)  # One local shard, slack 1.
+    layer = kfit_ps.layers.DynamicEmbedding(2, capacity=4, min_count=2)  # One shard, slack 1.
     layer.build()
     table = layer.table
-    optimizer = keras.optimizers.SGD(0.1)
+    optimizer = keras.optimizers.Adam(0.1)
     table.use_optimizer(optimizer)
     shard = table.shards[0]
-    shard.values.insert(tf.constant([99], tf.int64), tf.constant([[1.0, 1.0]]))  # No count.
-    keys = tf.constant([1, 2, 3, 4, 5], tf.int64)
-    tf.function(lambda: table.update(0, keys, tf.ones([5, 2]), tf.constant([1, 2, 2, 2, 2],
-                                                                           tf.int64),
-                                     optimizer, 0.1, 7.0))()
-    stored = set(shard.values.export()[0].numpy().tolist())
-    assert stored == {2, 3, 4, 5}, stored  # 99 (no count), then 1 (the least seen).
-    assert int(shard.meta.size()) == 4
-    assert table.stats() == {"rows": 4, "admitted": 5, "evicted": 2, "peak_rows_per_shard": 6}
+    keys = tf.constant([1, 2, 3, 4, 5, 6], tf.int64)
+    update = tf.function(lambda: table.update(
+        0, keys, tf.ones([6, 2]), tf.constant([1, 2, 2, 2, 2, 2], tf.int64),
+        sparse_optimizer.SparseOptimizer(optimizer), 0.1, tf.constant(7, tf.int64)))
+    update()
+    # Ids 2..6 were admitted (seen twice); 1 was seen once. 6 tracked > 4 + 1: two go, the
+    # least seen first: 1 (no row, not counted) and one admitted id.
+    keys_held, values = shard.values.export()
+    assert int(shard.meta.size()) == 4 and len(keys_held.numpy()) == 4
+    assert 1 not in keys_held.numpy().tolist()
+    assert values.shape[1] == 2 * 3  # The row, then m and v.
+    assert table.stats() == {"rows": 4, "admitted": 5, "evicted": 1, "peak_rows_per_shard": 5}
+    assert int(shard.clock.numpy()) == 1
 
 
 def test_features_sharing_a_layer_get_their_own_rows(strategy):

@@ -100,7 +100,7 @@ def test_sharded_embedding_with_adam_trains_and_gathers_rows(sharded):
     assert all(all(i.shape.rank <= 1 for i in op.inputs) for op in concats), concats
     reads = {op.inputs[0].name for op in graph.get_operations() if op.type == "ResourceGather"}
     assert len(reads) >= 6  # table, m and v: each of the 2 shards gathered separately
-    assert ops["ResourceScatterUpdate"] == 4 and ops["ResourceScatterSub"] == 2
+    assert ops["ResourceScatterUpdate"] == 4 and ops["ResourceScatterAdd"] == 2
     assert "ReadVariableOp" not in {op.type for op in graph.get_operations()
                                     if any(i.shape == (512, 1024) for i in op.outputs)}
 

@@ -10,6 +10,7 @@ trainer attributes the loop needs.
 
 import contextlib
 import functools
+import re
 import threading
 
 import tensorflow as tf
@@ -189,6 +190,59 @@ def optimizer_slots(optimizer, variable):
     if isinstance(optimizer, keras.optimizers.SGD):
         return {"momentum": optimizer.momentums[index]} if optimizer.momentum else {}
     return None
+
+
+def uses_weight_decay(optimizer, variable):
+    """Whether Keras 3.15's `optimizer` decays `variable` (honouring `exclude_from_weight_decay`).
+
+    `variable` is a Keras variable, or the name of a table that has none (a
+    dynamic table): a name is matched against the excluded `var_names` only.
+    """
+    if not optimizer.weight_decay:
+        return False
+    if isinstance(variable, str):
+        pattern = getattr(optimizer, "_exclude_from_weight_decay_pattern", None)
+        return pattern is None or re.search(pattern, variable) is None
+    return bool(optimizer._use_weight_decay(variable))
+
+
+def learning_rate_at(optimizer, iterations):
+    """`optimizer`'s learning rate when its `iterations` is `iterations` (a float32 tensor).
+
+    A schedule is evaluated at `iterations`; a fixed rate is the value it has
+    when this is traced (the optimizer's own variable may live elsewhere).
+    """
+    import keras
+
+    rate = optimizer._learning_rate
+    if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
+        return tf.cast(rate(iterations), tf.float32)
+    if callable(rate):
+        return tf.cast(rate(), tf.float32)
+    return tf.constant(float(keras.ops.convert_to_numpy(rate)), tf.float32)
+
+
+@contextlib.contextmanager
+def keras_averages_off(optimizer):
+    """Traces Keras' `optimizer.apply` without its moving-average update (kfit_ps does it).
+
+    Keras 3.15 updates the averages, and overwrites the variables with them
+    in a conditional, inside `_backend_apply_gradients` when `use_ema` is
+    set; kfit_ps' `training.moving_averages` does both after the whole step.
+    """
+    saved = optimizer.use_ema
+    optimizer.use_ema = False
+    try:
+        yield
+    finally:
+        optimizer.use_ema = saved
+
+
+def moving_average_pairs(optimizer):
+    """[(variable, its moving average)] of a built Keras 3.15 optimizer with `use_ema`."""
+    averages = getattr(optimizer, "_model_variables_moving_average", None) or []
+    return [(variable, average) for variable, average
+            in zip(optimizer._trainable_variables, averages) if average is not None]
 
 
 _load_hooks = {}

@@ -2,9 +2,10 @@
 
 `DynamicEmbedding` (the layer) owns a `DynamicTable` (hash tables split over
 the ps tasks, with optimizer slots and counts); `recording` carries a training
-step's lookups to kfit_ps' gradient step; `updates` holds the optimizer
-formulas run on the ps; `saving` writes and reads tables in chunks;
-`hashing` maps ids to keys, shards and initial vectors.
+step's lookups to kfit_ps' gradient step; `sparse_optimizer` is Keras'
+optimizer `apply` for the touched rows of every sparse table (dynamic and
+sharded); `saving` writes and reads tables in chunks; `hashing` maps ids to
+keys, shards and initial vectors.
 """
 
 from kfit_ps.embeddings import recording

@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from kfit_ps import _tf_compat
 from kfit_ps import strategy as strategy_lib
-from kfit_ps.embeddings import hashing, recording, saving
+from kfit_ps.embeddings import hashing, recording, saving, sparse_optimizer
 from kfit_ps.embeddings.table import DynamicTable
 
 
@@ -32,11 +32,19 @@ class DynamicEmbedding(keras.layers.Layer):
     it first appears (a function of the id and `seed`). Ids without a row
     (not admitted yet, evicted, or never seen) read as zeros outside training.
 
-    The model's optimizer updates the rows a step touched, and only those,
-    with their optimizer slots (`SGD`, `Adagrad`, `Adam`/`AdamW`, lazily, as
-    for kfit_ps' sharded tables); this happens in kfit_ps' `fit` of a model
-    built in a `kfit_ps.ParameterServerStrategy` scope. Without a cluster the
-    layer serves: a `.keras` file loads and predicts anywhere.
+    The model's optimizer (or the layer's own `optimizer`) updates the rows a
+    step touched, and only those, with their optimizer slots (`SGD`,
+    `Adagrad`, `Adam`/`AdamW`, lazily, as for kfit_ps' sharded tables, with
+    Keras' loss scaling, weight decay and `exclude_from_weight_decay`, and
+    `embeddings_constraint`); this happens in kfit_ps' `fit` of a model built
+    in a `kfit_ps.ParameterServerStrategy` scope. A layer with
+    `trainable=False` is read and never written: its rows, slots and counts
+    stay as they are. Without a cluster the layer serves: a `.keras` file
+    loads and predicts anywhere.
+
+    Multi-hot ids: with a `combiner`, ids of shape `(batch, n)` (or a 2-D
+    `tf.RaggedTensor`) give one vector per example, the sum, mean or
+    `sqrtn`-scaled sum of its ids' rows; padding ids count for nothing.
 
     Several features can share one layer: call it on a dict (or list) of id
     tensors and it returns a dict (list) of vectors. Their ids are salted
@@ -70,10 +78,29 @@ class DynamicEmbedding(keras.layers.Layer):
             a random one chosen now (and saved with the layer's config).
         num_shards: hash-table shards. Defaults to the number of ps tasks
             (one per ps), or 1 without a cluster.
+        mask_zero: as `keras.layers.Embedding`: id 0 is padding and the layer
+            returns a mask (`ids != 0`; none with a `combiner`). The padding
+            id reads as zeros and is never stored or trained. Defaults to False.
+        padding_id: an id (integer, or string for string ids) that reads as
+            zeros and is never stored or trained, without a mask. Defaults
+            to None (0 with `mask_zero=True`).
+        combiner: None, `"sum"`, `"mean"` or `"sqrtn"`: reduce each example's
+            ids (the last axis, or a ragged row) to one vector. Defaults to
+            None (one vector per id).
+        optimizer: a Keras `SGD`, `Adagrad`, `Adam` or `AdamW` that updates
+            this table instead of the model's optimizer (its own learning rate
+            or schedule, read at the model's step). Defaults to None.
+        embeddings_constraint: a row-wise Keras constraint applied to each
+            updated row (`NonNeg`, or `MaxNorm`/`UnitNorm`/`MinMaxNorm` with
+            `axis=-1`). Defaults to None.
     """
 
+    COMBINERS = ("sum", "mean", "sqrtn")
+
     def __init__(self, output_dim, embeddings_initializer="uniform", min_count=1,
-                 max_age=None, capacity=None, seed=None, num_shards=None, **kwargs):
+                 max_age=None, capacity=None, seed=None, num_shards=None, mask_zero=False,
+                 padding_id=None, combiner=None, optimizer=None, embeddings_constraint=None,
+                 **kwargs):
         super().__init__(**kwargs)
         self.output_dim = _check_count("output_dim", output_dim, 1, allow_none=False)
         self.min_count = _check_count("min_count", min_count, 1, allow_none=False)
@@ -86,6 +113,33 @@ class DynamicEmbedding(keras.layers.Layer):
             seed = initializer_seed if initializer_seed is not None else random.getrandbits(62)
         self.seed = _check_count("seed", seed, 0, allow_none=False)
         self._initializer = (kind, config)
+        self.mask_zero = bool(mask_zero)
+        if mask_zero and padding_id not in (None, 0):
+            raise ValueError(f"DynamicEmbedding: `mask_zero=True` makes 0 the padding id. "
+                             f"Received: padding_id={padding_id!r}. Drop padding_id, or set "
+                             "mask_zero=False.")
+        self.padding_id = 0 if mask_zero else padding_id
+        if self.padding_id is not None and (isinstance(self.padding_id, bool) or
+                                            not isinstance(self.padding_id, (int, str))):
+            raise ValueError(f"DynamicEmbedding: `padding_id` must be an integer or a string. "
+                             f"Received: padding_id={padding_id!r}.")
+        if combiner is not None and combiner not in self.COMBINERS:
+            raise ValueError(f"DynamicEmbedding: `combiner` must be one of "
+                             f"{', '.join(self.COMBINERS)} or None. Received: "
+                             f"combiner={combiner!r}.")
+        self.combiner = combiner
+        self.optimizer = keras.optimizers.get(optimizer) if optimizer is not None else None
+        if self.optimizer is not None:
+            sparse_optimizer.slot_names(self.optimizer)  # Names the supported ones.
+            sparse_optimizer.check_optimizer(self.optimizer, f"DynamicEmbedding {self.name!r}")
+        self.embeddings_constraint = keras.constraints.get(embeddings_constraint)
+        if not sparse_optimizer.row_constraint(self.embeddings_constraint):
+            raise ValueError(
+                "DynamicEmbedding: `embeddings_constraint` must act on each row alone (each "
+                "update changes only the rows it touched). Received: embeddings_constraint="
+                f"{self.embeddings_constraint!r}. Use NonNeg, or MaxNorm / UnitNorm / "
+                "MinMaxNorm with axis=-1.")
+        self.supports_masking = self.mask_zero
         self.table = None
 
     def _devices(self):
@@ -102,36 +156,73 @@ class DynamicEmbedding(keras.layers.Layer):
                 self.output_dim, self._devices(), self._initializer, self.seed,
                 min_count=self.min_count, max_age=self.max_age, capacity=self.capacity,
                 name=f"{self.name}_{uuid.uuid4().hex[:8]}")
+            self.table.optimizer = self.optimizer
+            self.table.constraint = self.embeddings_constraint
+            # The name `exclude_from_weight_decay(var_names=...)` is matched against.
+            self.table.variable_name = f"{self.name}/embeddings"
         self.built = True
 
     def compute_output_spec(self, ids, training=None):
-        return keras.tree.map_structure(
-            lambda x: keras.KerasTensor(tuple(x.shape) + (self.output_dim,),
-                                        dtype=self.compute_dtype), ids)
+        def spec(x):
+            shape = tuple(x.shape)[:-1] if self.combiner else tuple(x.shape)
+            return keras.KerasTensor(shape + (self.output_dim,), dtype=self.compute_dtype)
+
+        return keras.tree.map_structure(spec, ids)
+
+    def compute_mask(self, ids, mask=None):
+        if not self.mask_zero or self.combiner:
+            return None
+        return keras.tree.map_structure(lambda x: keras.ops.not_equal(x, 0), ids)
+
+    def _valid(self, ids):
+        """Whether each id is not the padding id (None: no padding id)."""
+        if self.padding_id is None:
+            return None
+        if (ids.dtype == tf.string) != isinstance(self.padding_id, str):
+            raise ValueError(f"DynamicEmbedding {self.name!r}: padding_id={self.padding_id!r} "
+                             f"cannot pad ids of dtype {ids.dtype.name}. Use a string padding "
+                             "id for string ids, an integer one for integer ids.")
+        return tf.not_equal(ids, tf.constant(self.padding_id, ids.dtype)
+                            if ids.dtype != tf.string else self.padding_id)
 
     def call(self, ids, training=None):
-        recorder = recording.current() if training else None
-        if training and recorder is None:
+        recorder = recording.current() if training and self.trainable else None
+        if training and self.trainable and recorder is None:
             raise ValueError(
                 f"DynamicEmbedding {self.name!r} was called with training=True outside kfit_ps' "
                 "training step: its rows live in hash tables that only kfit_ps' fit updates "
                 "(a model built in a kfit_ps.ParameterServerStrategy scope, with Keras' own "
-                "train_step). Train it with kfit_ps, or call it with training=False to read "
-                "its rows.")
+                "train_step). Train it with kfit_ps, call it with training=False to read "
+                "its rows, or freeze it (trainable=False).")
         features = keras.tree.flatten_with_path(ids)
-        keys = [hashing.keys(x) for _, x in features]
+        values = [x.flat_values if isinstance(x, tf.RaggedTensor) else x for _, x in features]
+        keys = [hashing.keys(x) for x in values]
         if len(features) > 1 or features[0][0]:  # Several features share the table: salted.
             keys = [hashing.salted(k, "/".join(map(str, path)))
                     for (path, _), k in zip(features, keys)]
-        flat = [tf.reshape(k, [-1]) for k in keys]
-        unique, position, counts = tf.unique_with_counts(tf.concat(flat, axis=0),
-                                                         out_idx=tf.int32)
+        valid = [self._valid(x) for x in values]
+        flat = tf.concat([tf.reshape(k, [-1]) for k in keys], axis=0)
+        vectors = self._vectors(flat, valid, bool(recorder is not None or
+                                                  (training and self.trainable)), recorder)
+        outputs = []
+        sizes = [tf.size(k) for k in keys]
+        for (_, x), k, ok, part in zip(features, keys, valid, tf.split(vectors, sizes, axis=0)):
+            outputs.append(tf.cast(self._shape(x, k, ok, part), self.compute_dtype))
+        return keras.tree.pack_sequence_as(ids, outputs)
+
+    def _vectors(self, flat, valid, training, recorder):
+        """[len(flat), dim] rows of the keys `flat`; padding positions read zeros, unlooked-up."""
+        kept = flat
+        if self.padding_id is not None:
+            mask = tf.concat([tf.reshape(v, [-1]) for v in valid], axis=0)
+            kept = tf.boolean_mask(flat, mask)
+        unique, position, counts = tf.unique_with_counts(kept, out_idx=tf.int32)
         n = self.table.num_shards
         shard = hashing.shard_of(unique, n)
         keys_by = tf.dynamic_partition(unique, shard, n)
         counts_by = tf.dynamic_partition(tf.cast(counts, tf.int64), shard, n)
         order = tf.dynamic_partition(tf.range(tf.size(unique)), shard, n)
-        fresh = bool(training) and self.min_count <= 1
+        fresh = training and self.min_count <= 1
         rows = []
         for i in range(n):  # One lookup per shard, for every feature.
             found = self.table.lookup(i, keys_by[i], fresh)
@@ -140,17 +231,47 @@ class DynamicEmbedding(keras.layers.Layer):
             rows.append(found)
         where = tf.math.invert_permutation(tf.concat(order, axis=0))
         vectors = tf.gather(tf.concat(rows, axis=0), tf.gather(where, position))
-        outputs = []
-        for k, part in zip(keys, tf.split(vectors, [tf.size(f) for f in flat], axis=0)):
-            shape = tf.concat([tf.shape(k), [self.output_dim]], axis=0)
-            outputs.append(tf.cast(tf.reshape(part, shape), self.compute_dtype))
-        return keras.tree.pack_sequence_as(ids, outputs)
+        if self.padding_id is None:
+            return vectors
+        return tf.scatter_nd(tf.where(mask), vectors,
+                             tf.stack([tf.size(flat), self.output_dim]))
+
+    def _shape(self, x, k, valid, part):
+        """One feature's vectors in its ids' shape, or combined per example."""
+        if isinstance(x, tf.RaggedTensor):
+            if x.ragged_rank != 1 or x.shape.rank != 2:
+                raise ValueError(f"DynamicEmbedding {self.name!r} takes 2-D ragged ids "
+                                 f"(batch, None). Received: ids of shape {x.shape}.")
+            if self.combiner is None:
+                return tf.RaggedTensor.from_row_splits(part, x.row_splits)
+            rows = x.value_rowids()
+            count = tf.math.unsorted_segment_sum(
+                tf.ones_like(rows, tf.float32) if valid is None else tf.cast(valid, tf.float32),
+                rows, x.nrows())
+            total = tf.math.unsorted_segment_sum(part, rows, x.nrows())
+        else:
+            part = tf.reshape(part, tf.concat([tf.shape(k), [self.output_dim]], axis=0))
+            if self.combiner is None:
+                return part
+            count = tf.reduce_sum(tf.ones_like(k, tf.float32) if valid is None
+                                  else tf.cast(valid, tf.float32), axis=-1)
+            total = tf.reduce_sum(part, axis=-2)
+        count = tf.maximum(count, 1.0)[..., None]
+        if self.combiner == "mean":
+            return total / count
+        if self.combiner == "sqrtn":
+            return total / tf.sqrt(count)
+        return total
 
     # The model's optimizer, statistics, saving ---------------------------------------------
 
     def use_optimizer(self, optimizer):
-        """Prepares the slot tables `optimizer` needs (kfit_ps' fit calls this first)."""
+        """Keeps the slots the table's optimizer needs (kfit_ps' fit calls this first).
+
+        The table's optimizer is the layer's own `optimizer`, else `optimizer`.
+        """
         self._require_built()
+        optimizer = self.optimizer or optimizer
         if not self.table.use_optimizer(optimizer):
             _tf_compat.print_msg(
                 f"DynamicEmbedding {self.name!r}: optimizer slots reset for "
@@ -172,7 +293,7 @@ class DynamicEmbedding(keras.layers.Layer):
 
     def load_own_variables(self, store):
         self._require_built()
-        saving.load_table(self.table, store)
+        saving.load_table(self.table, store, owner=f"DynamicEmbedding {self.name!r}")
 
     def get_config(self):
         config = super().get_config()
@@ -184,5 +305,11 @@ class DynamicEmbedding(keras.layers.Layer):
             "capacity": self.capacity,
             "seed": self.seed,
             "num_shards": self.num_shards,
+            "mask_zero": self.mask_zero,
+            "padding_id": None if self.mask_zero else self.padding_id,
+            "combiner": self.combiner,
+            "optimizer": (keras.optimizers.serialize(self.optimizer)
+                          if self.optimizer is not None else None),
+            "embeddings_constraint": keras.constraints.serialize(self.embeddings_constraint),
         })
         return config

@@ -2,7 +2,7 @@
 
 from kfit_ps import _tf_compat
 from kfit_ps.embeddings.layer import DynamicEmbedding
-from kfit_ps.embeddings import updates
+from kfit_ps.embeddings import sparse_optimizer
 
 
 def dynamic_layers(model):
@@ -20,7 +20,9 @@ def prepare_training(model):
     layers = dynamic_layers(model)
     if not layers:
         return
-    updates.slot_names(model.optimizer)  # The error names the supported optimizers.
+    for layer in layers:
+        if layer.optimizer is None:  # The error names the supported optimizers.
+            sparse_optimizer.slot_names(model.optimizer)
     for layer in layers:
         if layer.table is not None:
             layer.use_optimizer(model.optimizer)

@@ -38,8 +38,8 @@ from keras.callbacks import CallbackList
 from kfit_ps import _tf_compat, embeddings, validation
 from kfit_ps.errors import Preempted, is_cluster_failure
 from kfit_ps.strategy import is_kfit_strategy
-from kfit_ps.training import (cluster_health, functions, inputs, metric_state, preemption,
-                              sharded_updates)
+from kfit_ps.training import (cluster_health, functions, inputs, metric_state, moving_averages,
+                              preemption, sharded_updates)
 from kfit_ps.training.evaluation import Evaluation
 from kfit_ps.training.scheduling import metric_logs, per_worker_iterator, schedule_steps
 from kfit_ps.training.callbacks.backup_and_restore import with_launcher_backup
@@ -85,8 +85,6 @@ def prepare(model, strategy, element_spec, method):
             f"You must call `compile()` before `{method}()`. Compile the model inside "
             "`with strategy.scope():` so its optimizer and metrics live on the ps tasks."
         )
-    if method in _TRAINING:
-        _check_optimizer(model)
     _check_placement(model, method)  # Before building: name the misplaced object, not TF.
     with strategy.scope():
         if predicting:  # Keras predicts with an uncompiled or unfitted model: build it only.
@@ -117,21 +115,8 @@ def _check_gradient_step(model):
             f"Model {model.name!r} overrides `train_step` and has {' and '.join(owners)}. "
             "kfit_ps updates them with its own gradient step inside Keras' train_step. Remove "
             f"the override{alternative}.")
-    if sharded:
+    if sharded or dynamic:
         sharded_updates.check_optimizer(model)
-
-
-def _check_optimizer(model):
-    optimizer = getattr(model, "optimizer", None)
-    if getattr(optimizer, "use_ema", False):
-        raise ValueError(
-            f"Optimizer {type(optimizer).__name__}(use_ema=True) of model {model.name!r} is not "
-            "supported under parameter-server training: Keras 3's TensorFlow optimizer updates "
-            "the moving averages in a cross-replica call inside a conditional, which "
-            "TensorFlow's distribution strategies reject (a single-machine MirroredStrategy "
-            "fails the same way). Received: use_ema=True. Compile with use_ema=False; to "
-            "average weights, save checkpoints (kfit_ps.callbacks.ModelCheckpoint) and "
-            "average them after training.")
 
 
 def _check_placement(model, method):
@@ -257,6 +242,8 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
             callbacks.on_epoch_end(epoch, logs)
             if model.stop_training:
                 break
+        if epochs > initial_epoch:  # As Keras: the moving averages become the weights.
+            moving_averages.finalize(model.optimizer)
         callbacks.on_train_end(logs)
         return model.history
     except Exception as e:

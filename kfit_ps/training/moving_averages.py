@@ -1,0 +1,70 @@
+"""`use_ema=True` under parameter-server training: Keras' moving averages, updated on the ps.
+
+Keras 3 updates an optimizer's moving averages inside its `apply` and
+overwrites the variables with them (`ema_overwrite_frequency`) in a
+conditional that TensorFlow's distribution strategies reject. kfit_ps'
+gradient step traces Keras' `apply` without them
+(`_tf_compat.keras_averages_off`) and, after the step's updates, runs Keras'
+formulas here:
+
+- `update`: `average = m * average + (1 - m) * variable`, with
+  `m = ema_momentum`, except 0 on the first step (Keras' rule); each average
+  is updated on its own device, a sharded one shard by shard, so nothing
+  crosses the network;
+- every `ema_overwrite_frequency` steps, each variable takes its average's
+  value;
+- `finalize`: at the end of `fit`, each variable takes its average's value
+  (Keras' `finalize_variable_values`).
+
+Dynamic embedding tables keep no moving average: their rows are not Keras
+variables, and an average of a row that is evicted and re-admitted has no
+meaning.
+"""
+
+import tensorflow as tf
+
+from kfit_ps import _tf_compat
+
+
+def _pairs(optimizer):
+    """[(variable part, average part)] on the same devices where the two are sharded alike."""
+    pairs = []
+    for variable, average in _tf_compat.moving_average_pairs(optimizer):
+        parts, averages = _tf_compat.shards(variable), _tf_compat.shards(average)
+        if len(parts) == len(averages):
+            pairs += list(zip(parts, averages))
+        else:
+            pairs.append((variable, average))
+    return pairs
+
+
+def update(optimizer, step):
+    """The averages after this step (`step`: `iterations + 1` of this step, int64)."""
+    not_first = tf.not_equal(step, 1)
+    writes = []
+    for variable, average in _pairs(optimizer):
+        with tf.device(average.device):
+            momentum = tf.cast(not_first, average.dtype) * optimizer.ema_momentum
+            writes.append(average.assign(
+                momentum * average + (1 - momentum) * tf.convert_to_tensor(variable)))
+    frequency = optimizer.ema_overwrite_frequency
+    if not frequency:
+        return
+
+    def overwrite():
+        for variable, average in _pairs(optimizer):
+            with tf.device(variable.device):
+                variable.assign(tf.convert_to_tensor(average))
+        return tf.constant(True)
+
+    with tf.control_dependencies(writes):
+        tf.cond(tf.equal(tf.math.floormod(step, frequency), 0), overwrite,
+                lambda: tf.constant(False))
+
+
+def finalize(optimizer):
+    """Each variable takes its average's value (eagerly, at the end of `fit`)."""
+    if getattr(optimizer, "use_ema", False):
+        for variable, average in _pairs(optimizer):
+            with tf.device(variable.device):
+                variable.assign(tf.convert_to_tensor(average))
