@@ -219,7 +219,9 @@ def learning_rate_at(optimizer, iterations):
         return tf.cast(rate(iterations), tf.float32)
     if callable(rate):
         return tf.cast(rate(), tf.float32)
-    return tf.constant(float(keras.ops.convert_to_numpy(rate)), tf.float32)
+    with tf.init_scope():  # Read now, eagerly: a constant of the traced function.
+        value = float(keras.ops.convert_to_numpy(rate))
+    return tf.constant(value, tf.float32)
 
 
 @contextlib.contextmanager

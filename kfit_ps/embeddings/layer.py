@@ -234,7 +234,8 @@ class DynamicEmbedding(keras.layers.Layer):
         if self.padding_id is None:
             return vectors
         return tf.scatter_nd(tf.where(mask), vectors,
-                             tf.stack([tf.size(flat), self.output_dim]))
+                             tf.stack([tf.size(flat, out_type=tf.int64),
+                                       tf.constant(self.output_dim, tf.int64)]))
 
     def _shape(self, x, k, valid, part):
         """One feature's vectors in its ids' shape, or combined per example."""
