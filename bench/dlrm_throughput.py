@@ -10,7 +10,14 @@ trained by three contenders, each measurement in a fresh process:
 - `tf_keras`: tf_keras's own parameter-server `model.fit` (Keras 2), the same
   model, partitioner, cluster shape, data and batch;
 - `keras`: single-process Keras 3 `model.fit` with no cluster at all, on the
-  same machine: the baseline that tells what distribution costs.
+  same machine: the baseline that tells what distribution costs;
+- `kfit_ps_dynamic` (only when named in `--contenders`): `kfit_ps` with one
+  `DynamicEmbedding` for the 26 features instead of the 26 fixed tables (the
+  same ids, the same rows); compared with `kfit_ps` as
+  `kfit_ps_dynamic/kfit_ps`.
+
+kfit_ps' contenders also report the ps tasks' CPU seconds per timed step
+(user + system time of the ps processes over the timed `fit`).
 
 Each times one `fit` of `--steps` steps after a 20-step warm-up (tracing and
 dataset start excluded); repeats alternate the order of the contenders.
@@ -19,6 +26,7 @@ and their medians.
 
     python bench/dlrm_throughput.py                              # as in docs/benchmarks.md
     python bench/dlrm_throughput.py --repeats 1 --steps 200      # quick
+    python bench/dlrm_throughput.py --contenders kfit_ps,kfit_ps_dynamic --repeats 5
 """
 
 import argparse
@@ -35,7 +43,8 @@ import child_process
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-CONTENDERS = ("kfit_ps", "tf_keras", "keras")
+CONTENDERS = ("kfit_ps", "tf_keras", "keras", "kfit_ps_dynamic")
+DEFAULT_CONTENDERS = ("kfit_ps", "tf_keras", "keras")
 WARMUP_STEPS = 20
 MIN_SHARD_BYTES = 64 << 10  # as the main job (kfit_ps.jobs.quickstart)
 
@@ -107,6 +116,35 @@ def make_kfit(cluster, paths, args):
     return model, kfit_ps.DatasetCreator(dataset_fn_for(paths, args))
 
 
+def make_kfit_dynamic(cluster, paths, args):
+    import keras
+
+    import kfit_ps
+    from kfit_ps.jobs.dlrm import build_dlrm
+
+    spec = _spec(args)
+    strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+
+    def embeddings(categorical):  # One table for the 26 features, as many rows as theirs.
+        return kfit_ps.layers.DynamicEmbedding(args.dim, capacity=sum(spec.buckets), seed=1,
+                                               name="dynamic_embedding")(categorical)
+
+    with strategy.scope():
+        model = build_dlrm(spec, args.dim, embeddings=embeddings)
+        _compile(model, keras, args)
+    return model, kfit_ps.DatasetCreator(dataset_fn_for(paths, args))
+
+
+def _ps_cpu_seconds(cluster, num_ps):
+    import psutil
+
+    total = 0.0
+    for i in range(num_ps):
+        times = psutil.Process(cluster.pid("ps", i)).cpu_times()
+        total += times.user + times.system
+    return total
+
+
 def make_tf_keras(cluster, paths, args):
     import tensorflow as tf
     import tf_keras
@@ -141,6 +179,7 @@ def timed_fit(model, data, steps):
 def run_child(args):
     """One measurement in this process; reports examples/s and the final iterations."""
     paths = sorted(os.path.join(args.data_dir, f) for f in os.listdir(args.data_dir))
+    report = {}
     if args.child == "keras":
         model, data = make_keras(paths, args)
         timed_fit(model, data, WARMUP_STEPS)
@@ -149,15 +188,19 @@ def run_child(args):
     else:
         import kfit_ps
 
-        make = make_kfit if args.child == "kfit_ps" else make_tf_keras
+        make = {"kfit_ps": make_kfit, "kfit_ps_dynamic": make_kfit_dynamic,
+                "tf_keras": make_tf_keras}[args.child]
         with kfit_ps.LocalCluster(num_workers=args.workers, num_ps=args.ps) as cluster:
             model, data = make(cluster, paths, args)
             timed_fit(model, data, WARMUP_STEPS)
+            ps_cpu = _ps_cpu_seconds(cluster, args.ps)
             seconds = timed_fit(model, data, args.steps)
+            ps_cpu = _ps_cpu_seconds(cluster, args.ps) - ps_cpu
             iterations = int(model.optimizer.iterations.numpy())
             del model, data
+        report["ps_cpu_ms_per_step"] = 1000 * ps_cpu / args.steps
     child_process.report({"examples_per_s": args.steps * args.batch_size / seconds,
-                          "iterations": iterations})
+                          "iterations": iterations, **report})
 
 
 def add_arguments(parser):
@@ -187,7 +230,8 @@ def write_data(args):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS),
+                        help=f"comma-separated, of {', '.join(CONTENDERS)}")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--png", default=None, help="write a bar chart of examples/s here")
     parser.add_argument("--child", choices=CONTENDERS, default=None, help=argparse.SUPPRESS)
@@ -201,6 +245,7 @@ def main(argv=None):
     child_argv += ["--data-dir", data_dir]
     rates = {name: [] for name in contenders}
     iterations = {name: [] for name in contenders}
+    ps_cpu = {name: [] for name in contenders}
     for repeat in range(args.repeats):
         order = contenders if repeat % 2 == 0 else list(reversed(contenders))
         for name in order:
@@ -208,20 +253,28 @@ def main(argv=None):
                                            timeout=3600)
             rates[name].append(result["examples_per_s"])
             iterations[name].append(result["iterations"])
+            if "ps_cpu_ms_per_step" in result:
+                ps_cpu[name].append(result["ps_cpu_ms_per_step"])
         print(f"repeat {repeat + 1}/{args.repeats}: "
               + ", ".join(f"{n} {rates[n][-1]:,.0f} examples/s" for n in contenders),
               flush=True)
     result = {"config": {k: v for k, v in vars(args).items() if k != "child"},
               "examples_per_s": {n: statistics.median(r) for n, r in rates.items()},
               "per_repeat": rates, "iterations": iterations,
+              "ps_cpu_ms_per_step": {n: statistics.median(c) for n, c in ps_cpu.items() if c},
+              "ps_cpu_ms_per_step_per_repeat": {n: c for n, c in ps_cpu.items() if c},
               "expected_iterations": WARMUP_STEPS + args.steps}
-    for other in ("tf_keras", "keras"):
-        if "kfit_ps" in rates and other in rates:
-            ratios = [k / o for k, o in zip(rates["kfit_ps"], rates[other])]
-            result[f"kfit_ps/{other}"] = {"median": statistics.median(ratios),
-                                          "per_repeat": ratios}
-            print(f"kfit_ps/{other}: median {statistics.median(ratios):.2f} "
+    for one, other in (("kfit_ps", "tf_keras"), ("kfit_ps", "keras"),
+                       ("kfit_ps_dynamic", "kfit_ps")):
+        if one in rates and other in rates:
+            ratios = [k / o for k, o in zip(rates[one], rates[other])]
+            result[f"{one}/{other}"] = {"median": statistics.median(ratios),
+                                        "per_repeat": ratios}
+            print(f"{one}/{other}: median {statistics.median(ratios):.2f} "
                   f"(per repeat {', '.join(f'{r:.2f}' for r in ratios)})")
+    if result["ps_cpu_ms_per_step"]:
+        print("ps CPU ms per step (medians): " + ", ".join(
+            f"{n} {v:.2f}" for n, v in result["ps_cpu_ms_per_step"].items()))
     print("examples/s (medians): " + ", ".join(
         f"{n} {v:,.0f}" for n, v in result["examples_per_s"].items()))
     exact = {n: all(i == result["expected_iterations"] for i in its)
@@ -233,7 +286,9 @@ def main(argv=None):
 
         labels = {"kfit_ps": f"kfit_ps\n{args.workers} workers + {args.ps} ps",
                   "tf_keras": f"tf_keras PS fit\n{args.workers} workers + {args.ps} ps",
-                  "keras": "Keras 3 fit\nsingle process"}
+                  "keras": "Keras 3 fit\nsingle process",
+                  "kfit_ps_dynamic": f"kfit_ps, DynamicEmbedding\n{args.workers} workers + "
+                                     f"{args.ps} ps"}
         plots.bar_chart(args.png, {labels[n]: v for n, v in result["examples_per_s"].items()},
                         f"DLRM, batch {args.batch_size}, steps_per_execution "
                         f"{args.steps_per_execution} ({os.cpu_count()} cores, medians)",

@@ -16,6 +16,7 @@ import threading
 import tensorflow as tf
 from keras.src import backend, tree
 from keras.src.backend.tensorflow import trainer as _tf_trainer
+from keras.src.backend.common.variables import Variable as KerasVariable
 from keras.src.callbacks.monitor_callback import MonitorCallback
 from keras.src.losses import loss as loss_module
 from keras.src.trainers import data_adapters
@@ -204,6 +205,21 @@ def uses_weight_decay(optimizer, variable):
         pattern = getattr(optimizer, "_exclude_from_weight_decay_pattern", None)
         return pattern is None or re.search(pattern, variable) is None
     return bool(optimizer._use_weight_decay(variable))
+
+
+def optimizer_scalars(optimizer):
+    """The variables behind Keras 3.15's `optimizer.iterations` and a fixed learning rate.
+
+    A learning-rate schedule has no variable of its own: it is a function of
+    `iterations`.
+    """
+    if optimizer is None:
+        return []
+    rate = getattr(optimizer, "_learning_rate", None)
+    scalars = [optimizer.iterations]
+    if isinstance(rate, KerasVariable):
+        scalars.append(rate)
+    return scalars
 
 
 def learning_rate_at(optimizer, iterations):

@@ -64,7 +64,9 @@ class ScheduledFunctions:
         model = self._model
         if not _tf_compat.has_stock_train_step(model):
             return model.train_step  # A user's step reads and updates the variables itself.
-        reads = transfers.PackedReads(model.variables)
+        # The step number and learning rate travel with the model's small variables.
+        reads = transfers.PackedReads(model.variables
+                                      + _tf_compat.optimizer_scalars(model.optimizer))
 
         def step(data):
             cached = reads.read()

@@ -65,6 +65,18 @@ class GradientStep:
             return _tf_compat.shards(variable)
         return [self._cached.get(id(variable), variable)]
 
+    def _scalars(self):
+        """(learning rate as float32, step number `iterations + 1` as int64) of this step."""
+        optimizer = self.optimizer
+        iterations = self._cached.get(id(optimizer.iterations), optimizer.iterations)
+        iterations = tf.cast(iterations, tf.int64)
+        scalars = _tf_compat.optimizer_scalars(optimizer)
+        if len(scalars) > 1:  # A fixed rate's variable (a callback may change it).
+            rate = tf.cast(self._cached.get(id(scalars[1]), scalars[1]), tf.float32)
+        else:
+            rate = _tf_compat.learning_rate_at(optimizer, iterations)
+        return rate, iterations + 1
+
     def __call__(self, tape, loss):
         optimizer = self.optimizer
         variables = self.model.trainable_variables
@@ -101,9 +113,9 @@ class GradientStep:
                  for variable, grad in dense]
         for updater in updaters:
             updater.send(outbox)
-        # This step's learning rate and step number, read once and packed with the gradients.
-        scalars = (tf.cast(optimizer.learning_rate, tf.float32),
-                   tf.cast(optimizer.iterations, tf.int64) + 1)
+        # This step's learning rate and step number: read once, with the packed reads of the
+        # forward pass, and packed with the gradients for the ps tasks.
+        scalars = self._scalars()
         devices = {_tf_compat.storage(v).device for v, handle in dense if handle[0] != "here"}
         for updater in updaters:
             devices |= updater.devices
