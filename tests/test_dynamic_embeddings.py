@@ -79,13 +79,13 @@ def test_one_step_matches_the_lazy_formula(strategy, optimizer):
     reference.build([var])
     for _ in range(2):
         reference.apply([tf.constant(g, tf.float32)], [var])
-    np.testing.assert_allclose(_vectors(layer, keys), var.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_vectors(layer, keys), var.numpy(), rtol=0, atol=1e-6)
     assert int(model.optimizer.iterations.numpy()) == 2
 
 
 def test_hot_ids_from_two_workers_never_tear_a_row(strategy):
     """1,000 steps of both workers on the same 4 ids: every row is its initial vector minus
-    a whole number of SGD updates, the same number in every element; iterations exact."""
+    exactly 1,000 SGD updates (updates of a shard run in its lock); iterations exact."""
     import keras
     import kfit_ps
 
@@ -101,7 +101,7 @@ def test_hot_ids_from_two_workers_never_tear_a_row(strategy):
     assert not np.isnan(applied).any()
     np.testing.assert_allclose(applied, np.round(applied), atol=0.05)
     assert np.all(applied.max(axis=1) - applied.min(axis=1) < 0.05), applied  # Not torn.
-    assert np.all((applied > 500) & (applied < 1000.5)), applied[:, 0]
+    np.testing.assert_allclose(applied, 1000, atol=0.05)  # The shard's lock: none lost.
 
 
 def test_admission_waits_for_min_count(strategy):

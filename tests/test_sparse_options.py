@@ -228,3 +228,54 @@ def test_an_exported_dynamic_table_serves_without_kfit_ps(strategy, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     served = np.array(eval(result.stdout.strip().splitlines()[-1]))
     np.testing.assert_allclose(served, expected, rtol=1e-6)
+
+
+def _local_update(table, keys, optimizer, step=1):
+    from kfit_ps.embeddings import sparse_optimizer
+
+    keys = tf.constant(keys, tf.int64)
+    n = int(tf.size(keys))
+    return table.update(0, keys, tf.ones([n, table.dim]), tf.ones([n], tf.int64),
+                        sparse_optimizer.SparseOptimizer(optimizer), 0.1,
+                        tf.constant(step, tf.int64))
+
+
+def test_a_row_with_a_nan_element_is_still_a_row():
+    """"Missing" is the count table's flag, never a NaN in the row: a diverged element does not
+    reset the row or admit it again."""
+    layer = kfit_ps.layers.DynamicEmbedding(3)
+    layer.build()
+    optimizer = keras.optimizers.SGD(0.1)
+    layer.table.use_optimizer(optimizer)
+    _local_update(layer.table, [7], optimizer)
+    shard = layer.table.shards[0]
+    shard.values.insert(tf.constant([7], tf.int64), tf.constant([[np.nan, 1.0, 2.0]]))
+    _local_update(layer.table, [7], optimizer)
+    row = _rows(layer, [7])[0]
+    assert np.isnan(row[0]) and row[1:].tolist() == pytest.approx([0.9, 1.9])
+    assert layer.stats()["admitted"] == 1
+
+
+def test_ages_follow_the_table_clock_not_the_optimizer_step(tmp_path):
+    """A fresh optimizer (iterations back to 0) on a loaded table: ages keep counting."""
+    optimizer = keras.optimizers.SGD(0.1)
+
+    def layer_and_model():
+        layer = kfit_ps.layers.DynamicEmbedding(2, max_age=5, name="aged")
+        model = keras.Sequential([keras.Input((1,), dtype="int64"), layer])
+        layer.table.use_optimizer(optimizer)
+        return layer, model
+
+    layer, model = layer_and_model()
+    _local_update(layer.table, [1], optimizer, step=100)
+    for step in range(101, 104):
+        _local_update(layer.table, [2], optimizer, step=step)
+    path = str(tmp_path / "aged.weights.h5")
+    model.save_weights(path)
+    restored, model = layer_and_model()
+    model.load_weights(path)
+    assert int(restored.table.shards[0].clock.numpy()) == 4
+    for _ in range(6):  # Step numbers of a new optimizer: 1, 1, ... (never ahead of 100).
+        _local_update(restored.table, [2], optimizer, step=1)
+    assert np.all(_rows(restored, [1]) == 0) and restored.stats()["rows"] == 1
+    assert restored.stats()["evicted"] == 1

@@ -109,7 +109,8 @@ class ScheduledFunctions:
         Nothing updates the variables while an evaluation runs, so the function
         reads them once, at its start (variables up to
         `KFIT_PS_SNAPSHOT_READ_MAX_BYTES`, sharded tables included): the shard
-        is evaluated against one snapshot, and its batches make no call to a ps.
+        is evaluated against one snapshot, and its batches make no call to a ps
+        (except a `DynamicEmbedding`'s lookups: its rows stay in its hash tables).
         """
         strategy, metric_state, model = self._strategy, self.metric_state, self._model
 

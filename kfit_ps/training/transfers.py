@@ -14,7 +14,8 @@ time answering them. So a training step moves values in bundles:
   per-use reads, so only the rows a batch touches move. A sharded evaluation
   reads every variable of at most `KFIT_PS_SNAPSHOT_READ_MAX_BYTES`, sharded
   tables included, once per evaluated shard instead (nothing changes them
-  while it runs), so its batches make no call to a ps at all.
+  while it runs), so its batches make no call to a ps (except the lookups of
+  a `DynamicEmbedding`, whose rows stay in its hash tables on the ps).
 - **Gradients** (`Outbox`): every gradient bound for a ps (dense, or the
   rows and ids of an embedding's gradient) is packed on the worker and sent
   in one transfer per dtype; the update then runs on the ps from there.
