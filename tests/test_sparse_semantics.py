@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 import kfit_ps
+from kfit_ps import _tf_compat
 
 ROWS, DIM = 16, 4
 # Three steps; ids 0 and 8-15 are never touched, 1-3 skip step 2, 4-6 skip steps 1 and 3.
@@ -242,3 +243,27 @@ def test_adam_rows_equal_keras_bit_for_bit(two_shards, kind):
     else:
         ours = table(tf.constant(TOUCHED, tf.int64)[:, None], training=False).numpy()[:, 0]
     np.testing.assert_array_equal(ours, np.stack([rows[i].numpy()[0] for i in TOUCHED]))
+
+
+@pytest.mark.parametrize("overwrite", [None, 2])
+def test_moving_averages_of_a_sharded_table_equal_keras(two_shards, overwrite):
+    """use_ema=True: every row's average (a sharded variable, updated shard by shard on the
+    ps) and, with ema_overwrite_frequency, the rows themselves equal Keras'."""
+    def make():
+        return keras.optimizers.SGD(0.1, momentum=0.9, use_ema=True, ema_momentum=0.5,
+                                    ema_overwrite_frequency=overwrite)
+
+    with two_shards.scope():
+        table = keras.layers.Embedding(ROWS, DIM)
+        model = _model(table)
+        model.compile(make(), "mse")
+    initial = table.embeddings.numpy()
+    reference = Reference({i: initial[i] for i in range(ROWS)},
+                          model.get_layer("head").get_weights(), make)
+    _train(model, reference)
+    _compare(model, reference, lambda ids: table.embeddings.numpy()[ids], list(range(ROWS)))
+    averages = dict((id(v), a) for v, a in _tf_compat.moving_average_pairs(model.optimizer))
+    ours = averages[id(table.embeddings)].numpy()
+    theirs = dict((id(v), a) for v, a in _tf_compat.moving_average_pairs(reference.optimizer))
+    expected = np.concatenate([theirs[id(reference.rows[i])].numpy() for i in range(ROWS)])
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-6)

@@ -402,3 +402,37 @@ def test_queued_functions_are_cancelled_and_results_are_ready_only_once_copied(s
     assert not _tf_compat.remote_value_ready(pending, 0.0)  # not finished yet
     assert _tf_compat.remote_value_ready(pending, 60.0)
     coordinator.join()
+
+
+def test_optimizer_internals_of_the_sparse_updates_still_exist():
+    """Weight-decay exclusion, learning rates at a step, the scalars read with the packed
+    reads, and the moving-average switch and pairs of Keras 3.15's optimizers."""
+    kernel, embeddings = keras.Variable(tf.ones((2, 2)), name="kernel"), keras.Variable(
+        tf.ones((3, 2)), name="embeddings")
+    optimizer = keras.optimizers.AdamW(0.1, weight_decay=0.5)
+    optimizer.exclude_from_weight_decay(var_names=["embeddings"])
+    optimizer.build([kernel, embeddings])
+    assert _tf_compat.uses_weight_decay(optimizer, kernel)
+    assert not _tf_compat.uses_weight_decay(optimizer, embeddings)
+    assert not _tf_compat.uses_weight_decay(optimizer, "tower/embeddings")
+    assert _tf_compat.uses_weight_decay(optimizer, "tower/kernel")
+    assert not _tf_compat.uses_weight_decay(keras.optimizers.Adam(), kernel)
+
+    scalars = _tf_compat.optimizer_scalars(optimizer)
+    assert scalars[0] is optimizer.iterations and len(scalars) == 2
+    assert float(_tf_compat.learning_rate_at(optimizer, tf.constant(7, tf.int64))) == \
+        pytest.approx(0.1)
+    schedule = keras.optimizers.schedules.ExponentialDecay(1.0, decay_steps=1, decay_rate=0.5)
+    scheduled = keras.optimizers.SGD(schedule)
+    assert _tf_compat.optimizer_scalars(scheduled) == [scheduled.iterations]
+    assert float(_tf_compat.learning_rate_at(scheduled, tf.constant(3, tf.int64))) == 0.125
+
+    averaged = keras.optimizers.SGD(0.1, use_ema=True)
+    averaged.build([kernel])
+    (variable, average), = _tf_compat.moving_average_pairs(averaged)
+    assert variable is kernel and tuple(average.shape) == (2, 2)
+    with _tf_compat.keras_averages_off(averaged):
+        assert not averaged.use_ema
+        averaged.apply([tf.ones((2, 2))], [kernel])
+    assert averaged.use_ema
+    np.testing.assert_array_equal(average.numpy(), np.zeros((2, 2)))  # Not updated by Keras.
