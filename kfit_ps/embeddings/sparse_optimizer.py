@@ -114,35 +114,51 @@ class SparseOptimizer:
                                                     dtype))
                 for name in self.slot_names}
 
+    @property
+    def needs_rows(self):
+        """Whether the update reads the rows (weight decay, a constraint), not only the slots."""
+        return self.decay or self.constraint is not None
+
     def apply(self, rows, slots, gradients, learning_rate, step):
         """(new rows, new slots) after one step; `slots` is {name: rows of that slot}.
 
         `learning_rate` is this step's rate (a schedule read at the step
         before it), `step` the optimizer's `iterations + 1` (any dtype).
         """
-        optimizer, dtype = self.optimizer, rows.dtype
+        dtype = rows.dtype
+        lr = tf.cast(learning_rate, dtype)
+        if self.decay:
+            rows = rows - rows * tf.cast(self.optimizer.weight_decay, dtype) * lr
+        change, slots = self.change(slots, gradients, lr, step, dtype)
+        rows = rows + change
+        if self.constraint is not None:
+            rows = tf.cast(self.constraint(rows), dtype)
+        return rows, slots
+
+    def change(self, slots, gradients, learning_rate, step, dtype=tf.float32):
+        """(what the formula adds to the rows, new slots), without weight decay or constraint.
+
+        Keras subtracts its update; adding its negation gives the same bits,
+        so a table without decay or constraint (`needs_rows` False) can
+        `scatter_add` this without reading its rows.
+        """
+        optimizer = self.optimizer
         g = tf.cast(gradients, dtype)
         if optimizer.loss_scale_factor is not None:
             g = g / optimizer.loss_scale_factor
         lr = tf.cast(learning_rate, dtype)
         slots = dict(slots)
-        if self.decay:
-            rows = rows - rows * tf.cast(optimizer.weight_decay, dtype) * lr
         if isinstance(optimizer, keras.optimizers.Adam):
-            rows = rows - self._adam(slots, g, lr, tf.cast(step, dtype))
-        elif isinstance(optimizer, keras.optimizers.Adagrad):
+            return -self._adam(slots, g, lr, tf.cast(step, dtype)), slots
+        if isinstance(optimizer, keras.optimizers.Adagrad):
             slots["accumulator"] = slots["accumulator"] + tf.square(g)
-            rows = rows - lr * g / tf.sqrt(slots["accumulator"] + optimizer.epsilon)
-        elif "momentum" in slots:
+            return -(lr * g / tf.sqrt(slots["accumulator"] + optimizer.epsilon)), slots
+        if "momentum" in slots:
             momentum = tf.cast(optimizer.momentum, dtype)
             m = slots["momentum"] * momentum - g * lr
             slots["momentum"] = m
-            rows = rows + (m * momentum - g * lr if optimizer.nesterov else m)
-        else:
-            rows = rows - g * lr
-        if self.constraint is not None:
-            rows = tf.cast(self.constraint(rows), dtype)
-        return rows, slots
+            return (m * momentum - g * lr if optimizer.nesterov else m), slots
+        return -(g * lr), slots
 
     def _adam(self, slots, g, lr, step):
         optimizer, dtype = self.optimizer, g.dtype

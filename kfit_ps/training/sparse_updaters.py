@@ -76,13 +76,18 @@ class ShardedVariableUpdater:
                 ids, g = outbox.get(ids), outbox.get(g)
                 learning_rate, step = scalars_on(shard.device)
                 slots = {name: parts[j] for name, parts in self.slot_shards.items()}
-                rows = tf.gather(shard, ids)
-                new_rows, new_slots = self.optimizer.apply(
-                    rows, {name: tf.gather(slot, ids) for name, slot in slots.items()},
-                    g, learning_rate, step)
+                old = {name: tf.gather(slot, ids) for name, slot in slots.items()}
+                if self.optimizer.needs_rows:  # Decay or constraint: the rows are read.
+                    rows = tf.gather(shard, ids)
+                    new_rows, new_slots = self.optimizer.apply(rows, old, g, learning_rate,
+                                                               step)
+                    change = new_rows - rows
+                else:
+                    change, new_slots = self.optimizer.change(old, g, learning_rate, step,
+                                                              shard.dtype)
                 for name, slot in slots.items():
                     slot.scatter_update(tf.IndexedSlices(new_slots[name], ids))
-                shard.scatter_add(tf.IndexedSlices(new_rows - rows, ids))
+                shard.scatter_add(tf.IndexedSlices(change, ids))
         if self.whole_constraint is not None and self._sent:
             value = tf.concat([tf.convert_to_tensor(shard) for shard in self.shards], axis=0)
             value = self.whole_constraint(value)
