@@ -128,10 +128,14 @@ def test_combiners_over_multi_hot_and_ragged_ids(combiner):
                            keras.optimizers.SGD(1.0)), 1.0, tf.constant(1, tf.int64))
     dense = layer(tf.constant([[1, 2, -1], [3, -1, -1]], tf.int64)).numpy()
     ragged = layer(tf.ragged.constant([[1, 2], [3]], tf.int64)).numpy()
+    sparse = layer(tf.sparse.SparseTensor([[0, 0], [0, 1], [1, 0]], tf.constant([1, 2, 3],
+                                                                                 tf.int64),
+                                          [2, 4])).numpy()
     expected = {"sum": [[3, 3], [3, 3]], "mean": [[1.5, 1.5], [3, 3]],
                 "sqrtn": [[3 / np.sqrt(2)] * 2, [3, 3]]}[combiner]
     np.testing.assert_allclose(dense, expected, rtol=1e-6)
     np.testing.assert_allclose(ragged, expected, rtol=1e-6)
+    np.testing.assert_allclose(sparse, expected, rtol=1e-6)
     spec = layer.compute_output_spec(keras.KerasTensor((None, 3), "int64"))
     assert tuple(spec.shape) == (None, 2)
 
@@ -279,3 +283,21 @@ def test_ages_follow_the_table_clock_not_the_optimizer_step(tmp_path):
         _local_update(restored.table, [2], optimizer, step=1)
     assert np.all(_rows(restored, [1]) == 0) and restored.stats()["rows"] == 1
     assert restored.stats()["evicted"] == 1
+
+
+def test_ragged_multi_hot_ids_train_through_fit(strategy):
+    """A ragged input with a combiner: each example's ids are looked up, averaged and trained."""
+    with strategy.scope():
+        ids = keras.Input(shape=(None,), dtype="int64", ragged=True)
+        layer = kfit_ps.layers.DynamicEmbedding(3, combiner="mean", name="bags")
+        model = keras.Model(ids, keras.layers.Dense(1)(layer(ids)))
+        model.compile(keras.optimizers.Adagrad(0.1), "mse")
+
+    def dataset_fn(_):
+        x = tf.ragged.constant([[1, 2], [3], [4, 5, 6], [7]], tf.int64)
+        return tf.data.Dataset.from_tensor_slices((x, tf.ones([4, 1]))).repeat().batch(2)
+
+    before = model.evaluate(kfit_ps.DatasetCreator(dataset_fn), steps=2, verbose=0)
+    model.fit(kfit_ps.DatasetCreator(dataset_fn), steps_per_epoch=20, epochs=1, verbose=0)
+    assert layer.stats()["rows"] == 7
+    assert model.evaluate(kfit_ps.DatasetCreator(dataset_fn), steps=2, verbose=0) < before

@@ -43,8 +43,9 @@ class DynamicEmbedding(keras.layers.Layer):
     loads and predicts anywhere.
 
     Multi-hot ids: with a `combiner`, ids of shape `(batch, n)` (or a 2-D
-    `tf.RaggedTensor`) give one vector per example, the sum, mean or
-    `sqrtn`-scaled sum of its ids' rows; padding ids count for nothing.
+    `tf.RaggedTensor` or `tf.SparseTensor`) give one vector per example, the
+    sum, mean or `sqrtn`-scaled sum of its ids' rows; padding ids count for
+    nothing.
 
     Several features can share one layer: call it on a dict (or list) of id
     tensors and it returns a dict (list) of vectors. Their ids are salted
@@ -194,6 +195,11 @@ class DynamicEmbedding(keras.layers.Layer):
                 "(a model built in a kfit_ps.ParameterServerStrategy scope, with Keras' own "
                 "train_step). Train it with kfit_ps, call it with training=False to read "
                 "its rows, or freeze it (trainable=False).")
+        # A 2-D tf.SparseTensor of ids (multi-hot, as `embedding_lookup_sparse` takes) is a
+        # ragged row of ids per example.
+        ids = keras.tree.map_structure(
+            lambda x: tf.RaggedTensor.from_sparse(x) if isinstance(x, tf.SparseTensor) else x,
+            ids)
         features = keras.tree.flatten_with_path(ids)
         values = [x.flat_values if isinstance(x, tf.RaggedTensor) else x for _, x in features]
         keys = [hashing.keys(x) for x in values]
