@@ -138,6 +138,8 @@ def test_combiners_over_multi_hot_and_ragged_ids(combiner):
     np.testing.assert_allclose(sparse, expected, rtol=1e-6)
     spec = layer.compute_output_spec(keras.KerasTensor((None, 3), "int64"))
     assert tuple(spec.shape) == (None, 2)
+    with pytest.raises(ValueError, match="combines the ids of each example.*shape \\(2,\\)"):
+        layer(tf.constant([1, 2], tf.int64))
 
 
 def test_a_table_with_its_own_optimizer_and_learning_rate(strategy):

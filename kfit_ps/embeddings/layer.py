@@ -260,6 +260,11 @@ class DynamicEmbedding(keras.layers.Layer):
             part = tf.reshape(part, tf.concat([tf.shape(k), [self.output_dim]], axis=0))
             if self.combiner is None:
                 return part
+            if k.shape.rank is not None and k.shape.rank < 2:
+                raise ValueError(
+                    f"DynamicEmbedding {self.name!r} with combiner={self.combiner!r} combines the "
+                    f"ids of each example (the last axis). Received: ids of shape {x.shape}. "
+                    "Pass ids of shape (batch, n), ragged or sparse ids, or no combiner.")
             count = tf.reduce_sum(tf.ones_like(k, tf.float32) if valid is None
                                   else tf.cast(valid, tf.float32), axis=-1)
             total = tf.reduce_sum(part, axis=-2)
