@@ -324,8 +324,11 @@ def test_chaos_across_hosts_kills_a_remote_ps_a_worker_preempts_and_restarts_the
     # 6 chief incarnations, each on a ps process of its own: none holds an earlier chief's
     # 25.6 MB table, and the ps's memory does not grow with the restarts.
     assert len({pid for pid, _ in ps_memory}) == 6, ps_memory
+    # A fresh ps' RSS varies by about 200 MB from one process to the next on this machine
+    # (measured: 615 to 816 MB over one run's 6 incarnations); six chiefs' tables with their
+    # Adam slots held in one process would add about 460 MB.
     rss = [r for _, r in ps_memory]
-    assert max(rss) < rss[0] + 200e6, ps_memory
+    assert max(rss) < min(rss) + 300e6, ps_memory
     assert not (tmp_path / "backup").exists()
     assert run.stop_all() == {"ps0": 143, "w0": 143, "w1": 143}
     # The ps host's launcher restarted its ps each time a chief went away (the ps killed, the
