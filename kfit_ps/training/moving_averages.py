@@ -50,21 +50,19 @@ def update(optimizer, step):
     frequency = optimizer.ema_overwrite_frequency
     if not frequency:
         return
-
-    def overwrite():
-        for variable, average in _pairs(optimizer):
-            with tf.device(variable.device):
-                variable.assign(tf.convert_to_tensor(average))
-        return tf.constant(True)
-
     with tf.control_dependencies(writes):
-        tf.cond(tf.equal(tf.math.floormod(step, frequency), 0), overwrite,
-                lambda: tf.constant(False))
+        tf.cond(tf.equal(tf.math.floormod(step, frequency), 0),
+                lambda: _overwrite(optimizer), lambda: tf.constant(False))
+
+
+def _overwrite(optimizer):
+    for variable, average in _pairs(optimizer):
+        with tf.device(variable.device):
+            variable.assign(tf.convert_to_tensor(average))
+    return tf.constant(True)
 
 
 def finalize(optimizer):
     """Each variable takes its average's value (eagerly, at the end of `fit`)."""
     if getattr(optimizer, "use_ema", False):
-        for variable, average in _pairs(optimizer):
-            with tf.device(variable.device):
-                variable.assign(tf.convert_to_tensor(average))
+        _overwrite(optimizer)

@@ -110,10 +110,9 @@ class DynamicTableUpdater:
 
     def __init__(self, optimizer, table, lookups):
         self.table = table
+        optimizer = table.optimizer or optimizer  # The layer's own, else the model's.
         self.optimizer = sparse_optimizer.SparseOptimizer(
-            table.optimizer or optimizer,
-            decay=_tf_compat.uses_weight_decay(table.optimizer or optimizer,
-                                               table.variable_name),
+            optimizer, decay=_tf_compat.uses_weight_decay(optimizer, table.variable_name),
             constraint=table.constraint)
         self.lookups = lookups  # [(Lookup, gradient)]
         self._sent = []
