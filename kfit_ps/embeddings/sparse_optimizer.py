@@ -33,12 +33,6 @@ _ROW_NORMS = (keras.constraints.MaxNorm, keras.constraints.UnitNorm,
               keras.constraints.MinMaxNorm)
 
 
-def supports(optimizer):
-    """Whether `optimizer` has a sparse (lazy) update here."""
-    return isinstance(optimizer, (keras.optimizers.Adam, keras.optimizers.Adagrad,
-                                  keras.optimizers.SGD))
-
-
 def slot_names(optimizer):
     """The slots kept per row for `optimizer`, in the order they are stored (may be empty).
 
@@ -107,12 +101,6 @@ class SparseOptimizer:
         """The update of a Keras variable's rows: its exclusion and constraint as Keras reads them."""
         return cls(optimizer, decay=_tf_compat.uses_weight_decay(optimizer, variable),
                    constraint=variable.constraint)
-
-    def initial_slots(self, n, dim, dtype=tf.float32):
-        """{name: [n, dim]} slots of `n` new rows."""
-        return {name: tf.fill([n, dim], tf.constant(initial_slot_value(self.optimizer, name),
-                                                    dtype))
-                for name in self.slot_names}
 
     @property
     def needs_rows(self):
