@@ -223,3 +223,40 @@ def regression_arrays(rows=200, features=4, seed=0):
 
 def dump(obj):
     return json.dumps(obj)
+
+
+def counting_model(num_examples):
+    """A regression model on `((x, index), y)` whose training steps count each index.
+
+    `model.counts` (int32, one per example, on a ps) is added to in every
+    training step, outside the ledger: how often each example was trained.
+    Build and compile it under the strategy's scope.
+    """
+    import keras
+    import tensorflow as tf
+
+    class Counting(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.hidden = keras.layers.Dense(16, activation="relu")
+            self.out = keras.layers.Dense(1)
+            self.counts = tf.Variable(tf.zeros([num_examples], tf.int32), trainable=False)
+
+        def call(self, inputs):
+            return self.out(self.hidden(inputs[0]))
+
+        def train_step(self, data):
+            (_, index), _ = data
+            self.counts.scatter_add(tf.IndexedSlices(tf.ones_like(index, tf.int32), index))
+            return super().train_step(data)
+
+    return Counting()
+
+
+def indexed_arrays(num_examples, features=8, seed=0):
+    """`((x, index), y)` arrays: each example carries its own index."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(num_examples, features)).astype("float32")
+    return (x, np.arange(num_examples, dtype=np.int64)), x.sum(axis=1, keepdims=True)

@@ -27,7 +27,7 @@ from kfit_ps._tf_compat.metric_scope import LocalStateScope
 from kfit_ps._tf_compat.pinned_variables import pinned_variable
 from kfit_ps._tf_compat.hash_tables import hash_table
 from kfit_ps._tf_compat.read_cache import CachedReadScope
-from kfit_ps._tf_compat.datasets import shard_dataset, shard_policy, with_shard_policy
+from kfit_ps._tf_compat.datasets import shard_dataset, shard_policy, shuffle_ops, with_shard_policy
 from kfit_ps._tf_compat.fused_adam import apply_adam, can_fuse as can_fuse_adam
 from kfit_ps._tf_compat.keras_sharding import (
     install_sharding_support,
@@ -62,6 +62,7 @@ __all__ = [
     "SUPPORTED",
     "shard_dataset",
     "shard_policy",
+    "shuffle_ops",
     "with_shard_policy",
     "apply_adam",
     "remove_autograph_files",

@@ -75,3 +75,20 @@ def shard_dataset(dataset, num_shards, index, policy):
         # the policy was set just above and where the dataset was built.
         warnings.simplefilter("ignore", UserWarning)
         return input_ops.auto_shard_dataset(dataset, tf.cast(num_shards, tf.int64), index)
+
+
+_SHUFFLE_OPS = ("ShuffleDataset", "ShuffleDatasetV2", "ShuffleDatasetV3",
+                "ShuffleAndRepeatDataset", "ShuffleAndRepeatDatasetV2")
+
+
+def shuffle_ops(dataset):
+    """The shuffling ops of `dataset`'s pipeline (an eager dataset), sorted; [] when none.
+
+    Read from the dataset's serialized graph (`_as_serialized_graph`, private).
+    """
+    check_versions()
+    graph = tf.compat.v1.GraphDef()
+    graph.ParseFromString(dataset._as_serialized_graph().numpy())  # noqa: SLF001
+    ops = {node.op for node in graph.node}
+    ops.update(node.op for function in graph.library.function for node in function.node_def)
+    return sorted(ops & set(_SHUFFLE_OPS))

@@ -97,6 +97,34 @@ class ScheduledFunctions:
         return self._get(("train", k), lambda: self._steps_from_iterator(
             self._train_step(), k))
 
+    def train_split(self, k, ledger):
+        """`fn(data, first, epoch) -> packed metric state`: training on the `k` batches of a
+        one-pass epoch's split from batch `first`, read from `ledger.source`'s worker data.
+
+        The split's start is counted on a ps first (`ledger.attempts`); every
+        batch read waits for that write.
+        """
+        strategy, metric_state, source = self._strategy, self.metric_state, ledger.source
+
+        def build():
+            train_step = self._train_step()
+
+            def run(data, first, epoch):
+                with tf.control_dependencies([ledger.attempts.mark(first)]):
+                    first = tf.identity(first)
+                state = metric_state.zeros()
+                steps = range(k) if k <= MAX_UNROLLED_STEPS else tf.range(k, dtype=tf.int64)
+                for j in steps:
+                    batch = source.read(data, first + j, epoch)
+                    state = metric_state.run_replica(strategy, train_step, batch, state)
+                return metric_state.pack(state)
+
+            return tf.function(run, jit_compile=False)
+
+        for key in [key for key in self._cache if key[0] == "train_split" and key[2] is not ledger]:
+            del self._cache[key]  # Another fit's ledger: its counters are gone.
+        return self._get(("train_split", k, ledger), build)
+
     def test(self, k):
         """`fn(iterator) -> packed metric state`: `k` evaluation steps on the worker's data."""
         return self._get(("test", k), lambda: self._steps_from_iterator(

@@ -33,7 +33,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from kfit_ps import validation
+from kfit_ps import ledger, validation
 from kfit_ps.training.dataset_creator import DatasetCreator
 
 SUPPORTED_INPUTS = (
@@ -55,6 +55,9 @@ class WorkerInput:
     finite: bool = False  # The dataset ends (evaluation can then be split in shards).
     sharded: bool = False  # Only sharded evaluation applies (`shardable(dataset)`).
     num_shards: int = None  # None: `default_num_shards`.
+    # For training: a function returning the `kfit_ps.ledger` source of one-pass epochs
+    # (finite data, `fit` without `steps_per_epoch`); it raises when the data has none.
+    one_pass: object = dataclasses.field(default=None, compare=False, repr=False)
     # For evaluation: the finite dataset `dataset_fn` built on the coordinator when adapted,
     # kept to pick how it is split (`_tf_compat.shard_policy`) without building it again.
     sample: object = dataclasses.field(default=None, compare=False, repr=False)
@@ -193,8 +196,12 @@ def adapt(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True, train
                         batch_size=batch_size)
         creator = as_dataset_creator(x)
         if training:  # Only the element spec is needed: no eager call (see `_traced_spec`).
-            return WorkerInput(element_spec=_traced_spec(creator), dataset_fn=creator,
-                               options=creator.input_options)
+            context = tf.distribute.InputContext()
+            return WorkerInput(
+                element_spec=_traced_spec(creator), dataset_fn=creator,
+                options=creator.input_options,
+                one_pass=lambda: ledger.dataset_source(creator(context), arg,
+                                                       build=lambda: creator(context)))
         sample = creator(tf.distribute.InputContext())
         finite = int(sample.cardinality()) != tf.data.INFINITE_CARDINALITY
         return WorkerInput(element_spec=sample.element_spec, dataset_fn=creator,
@@ -217,7 +224,8 @@ def adapt(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True, train
         if training or cardinality == tf.data.INFINITE_CARDINALITY:
             dataset = x if cardinality == tf.data.INFINITE_CARDINALITY else x.repeat()
             return WorkerInput(element_spec=x.element_spec, dataset=dataset,
-                               num_batches=cardinality if cardinality >= 0 else None)
+                               num_batches=cardinality if cardinality >= 0 else None,
+                               one_pass=lambda: ledger.dataset_source(x, arg))
         return ShippedInput(dataset=x, element_spec=x.element_spec,
                             num_batches=cardinality if cardinality >= 0 else None)
 
@@ -243,7 +251,9 @@ def adapt(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True, train
         dataset_fn.__name__ = f"{arg}_arrays"
         creator = DatasetCreator(dataset_fn)
         spec = creator(tf.distribute.InputContext()).element_spec
-        return WorkerInput(element_spec=spec, dataset_fn=creator, num_batches=num_batches)
+        source = ledger.ArraySource(arrays, rows, batch_size, shuffle)
+        return WorkerInput(element_spec=spec, dataset_fn=creator, num_batches=num_batches,
+                           one_pass=lambda: source)
     dataset = tf.data.Dataset.from_tensor_slices(arrays).batch(batch_size)
     return ShippedInput(dataset=dataset, element_spec=dataset.element_spec,
                         num_batches=num_batches)

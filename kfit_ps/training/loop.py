@@ -28,6 +28,7 @@ Who owns what:
   `callbacks.base`. **Progress**: `progress.Progress`.
 """
 
+import functools
 import itertools
 import sys
 
@@ -36,6 +37,7 @@ import tensorflow as tf
 from keras.callbacks import CallbackList
 
 from kfit_ps import _tf_compat, embeddings, validation
+from kfit_ps import ledger as data_ledger
 from kfit_ps.errors import Preempted, is_cluster_failure
 from kfit_ps.strategy import is_kfit_strategy
 from kfit_ps.training import (cluster_health, functions, inputs, metric_state, moving_averages,
@@ -168,9 +170,10 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
 
     train_input = inputs.adapt(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
                                training=True)
-    from_arrays = train_input.dataset is None and train_input.num_batches is not None
-    if steps_per_epoch is None and from_arrays:
-        steps_per_epoch = train_input.num_batches
+    source = None
+    if steps_per_epoch is None and train_input.one_pass is not None:
+        source = train_input.one_pass()  # One pass per epoch, or an error saying why not.
+        steps_per_epoch = source.num_batches
     steps_per_epoch = inputs.check_steps(
         "steps_per_epoch", steps_per_epoch,
         required_because="with a DatasetCreator or a tf.data.Dataset")
@@ -186,14 +189,21 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
     prepare(model, strategy, train_input.element_spec, "fit")
 
     fns = functions.for_model(model, strategy, "train_function")
-    iterator = per_worker_iterator(strategy, train_input)
+    coordinator = strategy.coordinator
+    if source is None:  # A stream: each worker's own repeated pipeline.
+        iterator = per_worker_iterator(strategy, train_input)
+        ledger, train = None, fns.train
+    else:
+        ledger = _one_pass_ledger(model, strategy, source, fns)
+        train = functools.partial(fns.train_split, ledger=ledger)
+        data = source.worker_data(coordinator)
     callbacks = CallbackList(callbacks, add_history=True, add_progbar=False, model=model,
                              verbose=verbose, epochs=epochs, steps=steps_per_epoch)
-    sync = SyncPoints(callbacks.callbacks, steps_per_epoch)
+    sync = SyncPoints(callbacks.callbacks, steps_per_epoch,
+                      ledger.state() if ledger is not None else None)
     progress = Progress(verbose, epochs, steps_per_epoch)
     iterations = model.optimizer.iterations if model.optimizer is not None else None
 
-    coordinator = strategy.coordinator
     try:
         model.stop_training = False
         callbacks.on_train_begin()
@@ -202,6 +212,11 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
         resume = sync.resume_position()
         if resume is not None:
             initial_epoch, first_step = resume
+            if ledger is not None and initial_epoch < epochs:
+                _tf_compat.print_msg(
+                    f"kfit_ps: resuming one-pass epoch {initial_epoch + 1} at batch "
+                    f"{first_step} of {steps_per_epoch}: the batches before it were trained "
+                    "before the restart (their updates are in the restored state).")
         logs = {}
         for epoch in range(initial_epoch, epochs):
             first = first_step if epoch == initial_epoch else 0
@@ -214,16 +229,26 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                 start = int(iterations.numpy()) - first  # Before dispatch: no step missed.
                 counter = lambda start=start: int(iterations.numpy()) - start  # noqa: E731
             progress.epoch_begin(epoch, counter)
+            if ledger is None:
+                args = (iterator,)
+            else:
+                ledger.begin_epoch(epoch, first)
+                epoch_tensor = tf.constant(epoch, tf.int64)
+                args = lambda step, e=epoch_tensor: (  # noqa: E731
+                    data, tf.constant(step, tf.int64), e)
             with progress.joining():
                 step = first
                 for stop in sync.stops(epoch, first):
                     sizes = schedule_steps(
-                        coordinator, step, stop, model.steps_per_execution, fns.train, (iterator,),
+                        coordinator, step, stop, model.steps_per_execution, train, args,
                         callbacks.on_train_batch_begin, callbacks.on_train_batch_end, accumulator,
                         should_stop=preemption.requested)
                     # On SIGTERM, functions no worker started are dropped: the newest ones.
                     cancelled = cluster_health.join(strategy, cancel_when=preemption.requested)
                     accumulator.discard_newest(cancelled)
+                    if ledger is not None:
+                        ledger.dispatched(step, sizes)
+                        ledger.joined(cancelled)
                     accumulator.commit()
                     logs = metric_logs(model)
                     reached = step + sum(sizes[:len(sizes) - cancelled])
@@ -239,6 +264,8 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                 logs.update({f"val_{k}": v for k, v in val_logs.items()})
             progress.epoch_end(logs)
             logs.update(embeddings.epoch_stats(model))  # Dynamic tables: rows, admitted, evicted.
+            if ledger is not None and step >= steps_per_epoch:
+                logs.update(_ledger_logs(ledger, verbose))
             callbacks.on_epoch_end(epoch, logs)
             if model.stop_training:
                 break
@@ -250,6 +277,24 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
         if not (is_cluster_failure(e) or cluster_health.is_ps_loss(e)):
             sync.failed(e)  # The program failed: no restart resumes this training.
         raise
+
+
+def _one_pass_ledger(model, strategy, source, fns):
+    """The ledger of this `fit`'s one-pass epochs (`kfit_ps.ledger.reports(model)` reads it)."""
+    ledger = data_ledger.Ledger(source, strategy, model.steps_per_execution)
+    model._kfit_ps_ledger = ledger  # noqa: SLF001 - kfit_ps' own attribute on the model
+    return ledger
+
+
+def _ledger_logs(ledger, verbose):
+    """The ledger's report of the epoch just ended, as logs; said aloud when a split re-ran."""
+    report = ledger.end_epoch()
+    if verbose and (report.reruns or report.lost):
+        _tf_compat.print_msg(
+            f"kfit_ps: epoch {report.epoch + 1}: {len(report.reruns)} split(s) re-run after a "
+            f"worker loss (at most {report.examples_rerun} examples trained twice), "
+            f"{report.lost} lost; every other split trained exactly once.")
+    return report.logs()
 
 
 def _stop_preempted(sync, epoch, step, logs, steps_per_epoch):

@@ -135,7 +135,8 @@ def schedule_steps(coordinator, start, stop, k, function_for, args, on_begin, on
                    accumulator, should_stop=lambda: False):
     """Schedules steps `start..stop-1` in functions of at most `k` steps.
 
-    Batch hooks: begin(first step), end(last step) per function, except the
+    `args`: the functions' arguments, or a function of the first step that
+    returns them. Batch hooks: begin(first step), end(last step) per function, except the
     final end, which the caller makes after synchronising. Each function's
     returned metric state goes to `accumulator`. When `should_stop()` turns
     true, nothing more is scheduled. Returns the number of steps of each
@@ -145,7 +146,8 @@ def schedule_steps(coordinator, start, stop, k, function_for, args, on_begin, on
     while step < stop and not should_stop():
         n = min(k, stop - step)
         on_begin(step)
-        accumulator.add(coordinator.schedule(function_for(n), args=args))
+        call_args = args(step) if callable(args) else args
+        accumulator.add(coordinator.schedule(function_for(n), args=call_args))
         sizes.append(n)
         step += n
         if step < stop:

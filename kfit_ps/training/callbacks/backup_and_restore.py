@@ -137,6 +137,14 @@ class BackupAndRestore(SyncCallback):
         return None, None
 
     def _restore(self, path, marker):
+        saved = marker.get("ledger")
+        if saved != self.ledger_state:
+            raise ValueError(
+                f"BackupAndRestore: the backup {path} was written while training on other "
+                f"data: {_data_kind(saved)}; this fit trains {_data_kind(self.ledger_state)}. "
+                "Resuming at its position would train other examples than the ones it "
+                "skips. Train on the same data (and the same `steps_per_epoch`), or remove "
+                f"{self.backup_dir!r} to start over.")
         self.model.load_weights(path)
         restored = checkpoint_files.training_step(self.model)
         if self.model.optimizer is not None and restored != marker["step"]:
@@ -207,7 +215,7 @@ class BackupAndRestore(SyncCallback):
         self.model.save_weights(path, overwrite=True)
         checkpoint_files.publish(path, checkpoint_files.training_step(self.model),
                                  self.params["epochs"], 0, fit=self.fit_id, done=True,
-                                 history=self._history)
+                                 history=self._history, ledger=self.ledger_state)
         self._remove_backups_before(self._sequence + 1)
 
     def _backup(self, epoch, step):
@@ -216,7 +224,8 @@ class BackupAndRestore(SyncCallback):
         path = self._path(self._sequence)
         self.model.save_weights(path, overwrite=True)
         checkpoint_files.publish(path, checkpoint_files.training_step(self.model), epoch, step,
-                                 fit=self.fit_id, history=self._history)
+                                 fit=self.fit_id, history=self._history,
+                                 ledger=self.ledger_state)
         self._remove_backups_before(self._sequence)  # Only now that a newer one is complete.
 
     def _remove_backups_before(self, sequence):
@@ -239,6 +248,13 @@ def _check_fit_id(fit_id):
     raise ValueError(
         "BackupAndRestore: `fit_id` must be a positive int or a name of at most 64 letters, "
         f"digits, '-' and '_'. Received: fit_id={fit_id!r}. Example: fit_id='pretrain'.")
+
+
+def _data_kind(ledger_state):
+    if ledger_state is None:
+        return "a stream (`steps_per_epoch` batches per epoch)"
+    return "one-pass epochs of {batches} batches ({examples} examples of {kind}, batch size " \
+        "{batch_size})".format(**ledger_state)
 
 
 def _jsonable(value):

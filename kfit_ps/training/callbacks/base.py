@@ -42,6 +42,9 @@ class SyncCallback(keras.callbacks.Callback):
     """Base class of kfit_ps callbacks that act on synchronised training state."""
 
     sync_every = None
+    # The data ledger's `state()` when `fit` trains one-pass epochs (`kfit_ps.ledger`), else
+    # None: set by `fit` before `on_train_begin`, for callbacks that save training state.
+    ledger_state = None
 
     def on_train_sync(self, epoch, step, logs):
         """Called after a synchronisation at a multiple of `sync_every` steps."""
@@ -61,9 +64,11 @@ class SyncCallback(keras.callbacks.Callback):
 class SyncPoints:
     """Where one `fit` call synchronises, from its callbacks' `sync_every`."""
 
-    def __init__(self, callbacks, steps_per_epoch):
+    def __init__(self, callbacks, steps_per_epoch, ledger_state=None):
         self._callbacks = [cb for cb in callbacks if isinstance(cb, SyncCallback)]
         self._steps = steps_per_epoch
+        for cb in self._callbacks:
+            cb.ledger_state = ledger_state
 
     def resume_position(self):
         positions = [p for p in (cb.resume_position() for cb in self._callbacks)

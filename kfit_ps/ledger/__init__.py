@@ -1,0 +1,20 @@
+"""Every training example exactly once: one-pass epochs split and counted by a ledger.
+
+`fit` on finite data (numpy arrays, or a finite dataset that TensorFlow can
+read by batch index) without `steps_per_epoch` trains one pass per epoch:
+`sources` says what data qualifies, `ledger` what is counted and promised.
+`kfit_ps.ledger.reports(model)` returns the last `fit`'s per-epoch reports.
+"""
+
+from kfit_ps.ledger.ledger import EpochReport, Ledger, Rerun
+from kfit_ps.ledger.sources import ArraySource, DatasetSource, dataset_source
+
+
+def reports(model):
+    """The `EpochReport`s of `model`'s last one-pass `fit`, oldest first ([] if none)."""
+    ledger = getattr(model, "_kfit_ps_ledger", None)
+    return list(ledger.reports) if ledger is not None else []
+
+
+__all__ = ["ArraySource", "DatasetSource", "EpochReport", "Ledger", "Rerun", "dataset_source",
+           "reports"]

@@ -1,0 +1,133 @@
+"""The ledger of a one-pass epoch: which splits of the data were trained, and how often.
+
+`fit` on finite data without `steps_per_epoch` cuts each epoch into splits of
+`steps_per_execution` batches of a `sources` source. The coordinator hands
+each split to one scheduled function (`dispatched`); a split counts as
+trained once its function finished, which `fit` knows at its next
+synchronisation (`joined`). TensorFlow re-runs the function of a worker that
+died; the ps-side `Attempts` counters tell which splits ran more than once.
+
+What is exact and what is bounded (docs/training_input.md):
+
+- every split of the epoch is trained: `lost` is 0 whenever the epoch ends;
+- a split is *re-run* when its function started more than once. Only the
+  examples of re-run splits can have had updates applied twice, at most once
+  per extra start: `examples_rerun` bounds the re-trained examples, and the
+  others were trained exactly once;
+- metrics count every batch exactly once (each finished function's state is
+  added once).
+
+`state()` is what backups record with the model's state: a resumed run with
+different data (another number of batches, examples or batch size) is
+refused (`kfit_ps.callbacks.BackupAndRestore`).
+"""
+
+import dataclasses
+
+import numpy as np
+
+from kfit_ps.ledger.attempts import Attempts
+
+
+@dataclasses.dataclass(frozen=True)
+class Rerun:
+    """A split whose function started more than once."""
+
+    first_batch: int
+    batches: int
+    starts: int
+    examples: int
+
+    def positions(self, batch_size):
+        """Example positions `(start, stop)` of this split in the epoch's order."""
+        return self.first_batch * batch_size, self.first_batch * batch_size + self.examples
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochReport:
+    """What one epoch trained, split by split."""
+
+    epoch: int
+    splits: int  # Splits dispatched by this run in this epoch.
+    batches: int  # Batches of the data (the epoch's length).
+    first_batch: int  # 0, or where a resumed epoch started.
+    trained_once: int  # Splits whose function started exactly once.
+    reruns: tuple  # `Rerun`s, by first batch.
+    lost: int  # Splits of the epoch that no finished function trained (0).
+
+    @property
+    def examples_rerun(self):
+        """At most this many examples had their updates applied more than once."""
+        return sum(r.examples * (r.starts - 1) for r in self.reruns)
+
+    def logs(self):
+        """The report as epoch logs (History, TensorBoard)."""
+        return {"ledger_splits": float(self.splits),
+                "ledger_splits_rerun": float(len(self.reruns)),
+                "ledger_examples_rerun": float(self.examples_rerun),
+                "ledger_splits_lost": float(self.lost)}
+
+
+class Ledger:
+    """Splits of one `fit`'s one-pass epochs, dispatched, finished and re-run."""
+
+    def __init__(self, source, strategy, split_size):
+        self.source = source
+        self.split_size = int(split_size)
+        self.attempts = Attempts(strategy, source.num_batches)
+        self.reports = []
+        self._epoch = None
+        self._first = 0
+        self._pending = []  # (first batch, batches) dispatched since the last join.
+        self._done = []  # (first batch, batches) whose function finished.
+
+    def state(self):
+        """What a backup records: the data's shape (a resume must cut the same splits)."""
+        return self.source.describe()
+
+    def begin_epoch(self, epoch, first_batch):
+        self._epoch, self._first = epoch, first_batch
+        self._pending, self._done = [], []
+        self.attempts.reset()
+
+    def dispatched(self, first_batch, sizes):
+        """Records functions scheduled for consecutive splits from `first_batch`."""
+        for n in sizes:
+            self._pending.append((first_batch, n))
+            first_batch += n
+
+    def joined(self, cancelled=0):
+        """Every pending function finished, except the `cancelled` newest (never started)."""
+        finished = self._pending[:len(self._pending) - cancelled]
+        self._done.extend(finished)
+        self._pending = []
+
+    def end_epoch(self):
+        """The report of the epoch just joined; kept in `reports`."""
+        starts = self.attempts.read()
+        covered = np.zeros(self.source.num_batches, bool)
+        covered[:self._first] = True  # Trained before a resume (restored with the state).
+        reruns, once = [], 0
+        for first, n in self._done:
+            covered[first:first + n] = True
+            count = int(starts[first])
+            if count > 1:
+                reruns.append(Rerun(first, n, count, self.source.examples_in(first, n)))
+            else:
+                once += 1
+        lost_batches = np.flatnonzero(~covered)
+        report = EpochReport(
+            epoch=self._epoch, splits=len(self._done), batches=self.source.num_batches,
+            first_batch=self._first, trained_once=once, reruns=tuple(reruns),
+            lost=_splits(lost_batches, self.split_size))
+        self.reports.append(report)
+        return report
+
+
+def _splits(batches, split_size):
+    """Splits of at most `split_size` that the sorted batch indices `batches` make up."""
+    if len(batches) == 0:
+        return 0
+    breaks = np.flatnonzero(np.diff(batches) > 1)
+    lengths = np.diff(np.concatenate([[0], breaks + 1, [len(batches)]]))
+    return int(sum(-(-length // split_size) for length in lengths))

@@ -1,0 +1,178 @@
+"""Training data a one-pass epoch can be cut from: sources read by batch index.
+
+A ledgered epoch (`kfit_ps.ledger.Ledger`) is cut into splits of batches, and
+each scheduled function reads its own split's batches on its worker, by
+index: no pipeline is rebuilt, skipped through or shared between workers per
+split. Two kinds of source allow that:
+
+- `ArraySource`: numpy arrays or tensors given to `fit` as `(x, y,
+  sample_weight)`. Batch `b` of an epoch holds the examples at positions
+  `[b * batch_size, (b + 1) * batch_size)` of the epoch's order: the arrays'
+  order, or with `shuffle=True` (Keras' default) a permutation drawn per
+  epoch (`tf.random.experimental.index_shuffle`), as Keras shuffles arrays.
+- `DatasetSource`: a finite `tf.data.Dataset` of batches, or a
+  `DatasetCreator` that builds one on each worker, whose number of batches
+  TensorFlow knows and whose batches it can read by index
+  (`tf.data.experimental.at`): pipelines of `range`, `from_tensor_slices`,
+  `map`, `batch`, `zip`, `cache`, `prefetch`. Refused, with what to do
+  instead: an unknown length (`filter`, file readers: stream them with
+  `steps_per_epoch`) and `shuffle` (each worker would draw its own order).
+
+A source's data reaches each worker once (`worker_data`); `read(data, batch,
+epoch)` runs inside the scheduled function.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from kfit_ps import _tf_compat
+
+STREAM = "stream it: repeat it and pass `steps_per_epoch` (batches per epoch)."
+
+
+def _random_access(dataset):
+    """`dataset` with the one tf.data rewrite that removes random access turned off.
+
+    tf.data fuses `map` followed by `batch` into one op that cannot read a
+    batch by index; unfused, each batch is read by index as before.
+    """
+    options = tf.data.Options()
+    options.experimental_optimization.map_and_batch_fusion = False
+    return dataset.with_options(options)
+
+
+def _rows(structure):
+    leaf = tf.nest.flatten(structure)[0]
+    return int(leaf.shape[0]) if len(leaf.shape) else 1
+
+
+class ArraySource:
+    """Arrays read by example position: batch `b` gathers its `batch_size` rows."""
+
+    kind = "arrays"
+
+    def __init__(self, arrays, num_examples, batch_size, shuffle, seed=None):
+        self.arrays = arrays
+        self.num_examples = int(num_examples)
+        self.batch_size = int(batch_size)
+        self.num_batches = -(-self.num_examples // self.batch_size)
+        self.shuffle = bool(shuffle)
+        # One seed per fit: each epoch's permutation is drawn from it and the epoch.
+        self.seed = int(np.random.randint(0, 2**31 - 1) if seed is None else seed)
+        self.element_spec = tf.nest.map_structure(
+            lambda a: tf.TensorSpec((None,) + tuple(a.shape[1:]), tf.as_dtype(a.dtype)), arrays)
+
+    def worker_data(self, coordinator):
+        """Each worker's copy of the arrays (sent once, read by every split)."""
+        arrays = self.arrays
+        return coordinator.create_per_worker_dataset(
+            lambda: tf.data.Dataset.from_tensors(arrays)).build()
+
+    def read(self, data, batch, epoch):
+        """The examples of `batch` (int64 scalar tensor) in `epoch`'s order, inside a function."""
+        arrays = tf.data.experimental.at(data, 0)
+        start = batch * self.batch_size
+        stop = tf.minimum(start + self.batch_size, self.num_examples)
+        positions = tf.range(start, stop, dtype=tf.int64)
+        if self.shuffle:
+            seed = tf.stack([tf.constant(self.seed, tf.int64), tf.cast(epoch, tf.int64)])
+            positions = tf.random.experimental.index_shuffle(
+                positions, seed, tf.constant(self.num_examples - 1, tf.int64))
+        return tf.nest.map_structure(lambda a: tf.gather(a, positions), arrays)
+
+    def examples_in(self, first, count):
+        """Examples in batches `[first, first + count)`."""
+        return max(0, min((first + count) * self.batch_size, self.num_examples)
+                   - first * self.batch_size)
+
+    def describe(self):
+        """What identifies the data: a resumed run must cut the same splits."""
+        return {"kind": self.kind, "batches": self.num_batches, "examples": self.num_examples,
+                "batch_size": self.batch_size}
+
+
+class DatasetSource:
+    """A finite dataset of batches with random access, read batch by batch by index."""
+
+    kind = "dataset"
+
+    def __init__(self, sample, build=None):
+        """`sample`: the dataset (built on the coordinator); `build`: a function that
+        builds it on a worker (a DatasetCreator's), or None to send `sample`'s copy."""
+        self.sample = _random_access(sample)
+        self._build = build
+        self.element_spec = sample.element_spec
+        self.num_batches = int(sample.cardinality())
+        first = tf.data.experimental.at(self.sample, 0)
+        last = tf.data.experimental.at(self.sample, self.num_batches - 1)
+        self.batch_size = _rows(first)
+        self._last_size = _rows(last)
+        self.num_examples = self.batch_size * (self.num_batches - 1) + self._last_size
+
+    def worker_data(self, coordinator):
+        if self._build is None:
+            return coordinator.create_per_worker_dataset(self.sample).build()
+        build = self._build
+        return coordinator.create_per_worker_dataset(
+            lambda: _random_access(build())).build()
+
+    def read(self, data, batch, epoch):
+        del epoch  # The dataset's own order, every epoch.
+        return tf.data.experimental.at(data, batch)
+
+    def examples_in(self, first, count):
+        stop = min(first + count, self.num_batches)
+        if stop <= first:
+            return 0
+        full = stop - first - (1 if stop == self.num_batches else 0)
+        return full * self.batch_size + (self._last_size if stop == self.num_batches else 0)
+
+    def describe(self):
+        return {"kind": self.kind, "batches": self.num_batches, "examples": self.num_examples,
+                "batch_size": self.batch_size}
+
+
+def dataset_source(dataset, arg, build=None):
+    """A `DatasetSource` for the finite `dataset`, or a ValueError saying why not.
+
+    Args:
+        dataset: the dataset of batches (for a DatasetCreator: one it built on
+            the coordinator).
+        arg: the argument's name, for errors.
+        build: builds the dataset on a worker; None sends a copy of `dataset`.
+    """
+    cardinality = int(dataset.cardinality())
+    prefix = (f"`fit` without `steps_per_epoch` trains one pass over `{arg}` per epoch, every "
+              "example once, reading each batch by its index on the worker that trains it.")
+    if cardinality == tf.data.INFINITE_CARDINALITY:
+        raise ValueError(
+            f"`steps_per_epoch` is required for an infinite dataset (it repeats): workers read "
+            f"their own datasets, so the end of the data does not end the epoch. Received: "
+            f"steps_per_epoch=None. Pass e.g. steps_per_epoch=100, or remove `.repeat()` to "
+            f"train one pass per epoch.")
+    if cardinality == tf.data.UNKNOWN_CARDINALITY:
+        raise ValueError(
+            f"{prefix} TensorFlow does not know how many batches `{arg}` has (a `filter`, a "
+            f"file reader such as TFRecordDataset, `interleave`...). Received: a dataset of "
+            f"unknown cardinality and steps_per_epoch=None. Build it from `range` or "
+            f"`from_tensor_slices` with `map` and `batch`, or {STREAM}")
+    if cardinality == 0:
+        raise ValueError(f"`{arg}` has no batches: there is nothing to train on. Received an "
+                         "empty dataset (cardinality 0).")
+    shuffles = _tf_compat.shuffle_ops(dataset)
+    if shuffles:
+        raise ValueError(
+            f"{prefix} `{arg}` shuffles ({', '.join(shuffles)}): each worker would draw its own "
+            "order, so splits would not hold the same examples everywhere. Received: a dataset "
+            "with `shuffle` and steps_per_epoch=None. Remove `shuffle` (shuffle the source "
+            "once, or pass numpy arrays with shuffle=True: they are shuffled every epoch), or "
+            f"{STREAM}")
+    try:
+        return DatasetSource(dataset, build)
+    except (tf.errors.UnimplementedError, tf.errors.OutOfRangeError) as e:
+        reason = str(e).strip().splitlines()[0][:200]
+        raise ValueError(
+            f"{prefix} `{arg}` cannot be read by batch index: TensorFlow says {reason!r}. "
+            f"Received: a dataset without random access and steps_per_epoch=None. Build it "
+            f"from `range` or `from_tensor_slices` with `map` and `batch`, or "
+            f"{STREAM}") from None

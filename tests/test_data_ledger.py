@@ -1,0 +1,183 @@
+"""One-pass epochs: every training example exactly once, counted apart from the ledger.
+
+Each example carries its index; the model's training step adds 1 to a
+per-index counter on a ps (`helpers.counting_model`), so the tests count
+what was trained independently of `kfit_ps.ledger`'s own report.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kfit_ps
+from tests import helpers
+
+N, BATCH = 10_000, 256
+
+
+@pytest.fixture(scope="module")
+def model(strategy):
+    with strategy.scope():
+        model = helpers.counting_model(N)
+        model.compile(optimizer="adam", loss="mse", steps_per_execution=5)
+    return model
+
+
+def _counts_after(model, fit):
+    model.counts.assign(tf.zeros([N], tf.int32))
+    history = fit()
+    return model.counts.numpy(), history.history
+
+
+def _dataset():
+    (x, index), y = helpers.indexed_arrays(N)
+    return tf.data.Dataset.from_tensor_slices(((x, index), y)).map(
+        lambda f, t: (f, t)).batch(BATCH)
+
+
+def test_a_finite_dataset_trains_every_example_once_per_epoch(model):
+    counts, logs = _counts_after(model, lambda: model.fit(_dataset(), epochs=2, verbose=0))
+    assert np.bincount(counts).tolist() == [0, 0, N]
+    assert logs["ledger_splits"] == [8.0, 8.0]  # ceil(40 batches / 5)
+    assert logs["ledger_splits_rerun"] == logs["ledger_splits_lost"] == [0.0, 0.0]
+    assert logs["ledger_examples_rerun"] == [0.0, 0.0]
+    reports = kfit_ps.ledger.reports(model)
+    assert [r.trained_once for r in reports] == [8, 8]
+    assert reports[0].batches == 40
+
+
+def test_arrays_are_shuffled_and_trained_once_per_epoch(model):
+    (x, index), y = helpers.indexed_arrays(N)
+    counts, logs = _counts_after(model, lambda: model.fit(
+        (x, index), y, batch_size=BATCH, epochs=3, verbose=0))
+    assert np.bincount(counts).tolist() == [0, 0, 0, N]
+    assert len(logs["loss"]) == 3 and logs["loss"][-1] < logs["loss"][0]
+
+
+def test_a_dataset_creator_with_a_finite_dataset_is_one_pass(model):
+    (x, index), y = helpers.indexed_arrays(N)
+
+    def dataset_fn(context):
+        return tf.data.Dataset.from_tensor_slices(((x, index), y)).batch(BATCH).prefetch(2)
+
+    counts, logs = _counts_after(model, lambda: model.fit(
+        kfit_ps.DatasetCreator(dataset_fn), epochs=1, verbose=0))
+    assert np.bincount(counts).tolist() == [0, N]
+
+
+def test_steps_per_epoch_still_streams(model):
+    stream = _dataset().repeat()
+    counts, logs = _counts_after(model, lambda: model.fit(
+        stream, epochs=1, steps_per_epoch=10, verbose=0))
+    assert counts.sum() == 10 * BATCH
+    assert "ledger_splits" not in logs
+
+
+@pytest.mark.parametrize("make, fragments", [
+    (lambda: _dataset().filter(lambda f, t: True),
+     ["does not know how many batches", "unknown cardinality", "steps_per_epoch"]),
+    (lambda: tf.data.Dataset.from_tensor_slices(helpers.indexed_arrays(N)).shuffle(100).batch(
+        BATCH),
+     ["shuffles (ShuffleDataset", "shuffle=True", "steps_per_epoch"]),
+    (lambda: tf.data.Dataset.from_generator(
+        lambda: iter([((np.zeros((2, 8), "float32"), np.zeros(2, "int64")),
+                       np.zeros((2, 1), "float32"))]),
+        output_signature=_dataset().element_spec).apply(tf.data.experimental.assert_cardinality(1)),
+     ["cannot be read by batch index", "Random access", "steps_per_epoch"]),
+    (lambda: _dataset().repeat(), ["`steps_per_epoch` is required", "infinite",
+                                   "steps_per_epoch=None"]),
+    (lambda: _dataset().take(0), ["has no batches", "cardinality 0"]),
+])
+def test_data_without_one_pass_epochs_is_refused_clearly(model, make, fragments):
+    with pytest.raises(ValueError) as info:
+        model.fit(make(), epochs=1, verbose=0)
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+
+
+# 200,000 indexed examples, batch 256, 5 steps per function, 2 workers; a first epoch without
+# failures, then one with 5 SIGKILLs of workers at seeded random points, each killed worker
+# restarted. The kills wait for training progress, so all 5 land inside the epoch.
+KILLED_EPOCH = """
+import random, threading
+from tests import helpers as h
+
+N, BATCH, KILLS = 200_000, 256, 5
+(x, index), y = h.indexed_arrays(N)
+rng = random.Random(2026)
+with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+    strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+    dataset = tf.data.Dataset.from_tensor_slices(((x, index), y)).batch(BATCH)
+    with strategy.scope():
+        model = h.counting_model(N)
+        model.compile(optimizer="adam", loss="mse", steps_per_execution=5)
+    clean = model.fit(dataset, epochs=1, verbose=0).history
+    clean_counts = model.counts.numpy()
+    model.counts.assign(tf.zeros([N], tf.int32))
+
+    batches = -(-N // BATCH)
+    iterations = model.optimizer.iterations
+    start = int(iterations.numpy())
+    points = sorted(rng.sample(range(40, batches - 200), KILLS))
+    kills, restarts = [], []
+
+    def chaos():
+        for point in points:
+            while int(iterations.numpy()) - start < point:
+                time.sleep(0.01)
+            task = rng.randrange(2)
+            while cluster.pid("worker", task) is None:
+                time.sleep(0.05)
+            time.sleep(rng.uniform(0, 0.05))
+            cluster.kill("worker", task)
+            kills.append((task, int(iterations.numpy()) - start))
+            threading.Thread(target=lambda t=task: (time.sleep(0.3),
+                                                    cluster.restart("worker", t),
+                                                    restarts.append(t))).start()
+
+    thread = threading.Thread(target=chaos)
+    thread.start()
+    killed = model.fit(dataset, epochs=1, verbose=0).history
+    thread.join()
+    counts = model.counts.numpy()
+    report_ = kfit_ps.ledger.reports(model)[0]
+    reruns = [[r.first_batch, r.batches, r.starts, r.examples] for r in report_.reruns]
+    deadline = time.monotonic() + 60
+    while len(restarts) < len(kills) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    report(clean=clean, clean_counts=np.bincount(clean_counts).tolist(), killed=killed,
+           counts=counts.tolist(), reruns=reruns, kills=kills, points=points,
+           lost=report_.lost, once=report_.trained_once, splits=report_.splits,
+           pids=cluster.pids())
+os._exit(0)
+"""
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+def test_five_worker_kills_lose_no_example_and_the_ledger_names_the_retrained():
+    result = helpers.run_chief(KILLED_EPOCH, timeout=600)
+    n, batch = 200_000, 256
+    # Without failures: every example exactly once.
+    assert result["clean_counts"] == [0, n]
+    assert result["clean"]["ledger_splits_rerun"] == [0.0]
+    assert len(result["kills"]) == 5, result["kills"]
+    counts = np.asarray(result["counts"])
+    # With 5 kills: none lost, counted apart from the ledger.
+    assert counts.min() >= 1
+    assert result["lost"] == 0 and result["killed"]["ledger_splits_lost"] == [0.0]
+    assert result["splits"] == -(-(-(-n // batch)) // 5)
+    # Examples trained more than once lie in splits the ledger reports as re-run, at most
+    # once per extra start, and those are at most a split (5 x 256 examples) per kill.
+    allowed = np.ones(n, np.int64)
+    for first, batches, starts, examples in result["reruns"]:
+        assert examples == min((first + batches) * batch, n) - first * batch
+        allowed[first * batch:first * batch + examples] = starts
+    assert (counts <= allowed).all(), np.flatnonzero(counts > allowed)[:20]
+    retrained = int((counts > 1).sum())
+    reported = sum(examples * (starts - 1) for _, _, starts, examples in result["reruns"])
+    assert retrained <= reported <= 5 * 5 * 256
+    assert result["killed"]["ledger_examples_rerun"] == [float(reported)]
+    assert result["killed"]["ledger_splits_rerun"] == [float(len(result["reruns"]))]
+    assert result["once"] + len(result["reruns"]) == result["splits"]
+    assert helpers.wait_for_no_servers(result["pids"], timeout=10) == []
