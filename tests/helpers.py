@@ -225,12 +225,16 @@ def dump(obj):
     return json.dumps(obj)
 
 
-def counting_model(num_examples):
+def counting_model(num_examples, trained_log=None):
     """A regression model on `((x, index), y)` whose training steps count each index.
 
-    `model.counts` (int32, one per example, on a ps) is added to in every
-    training step, outside the ledger: how often each example was trained.
-    Build and compile it under the strategy's scope.
+    `model.counts` (int32, one per example, on a ps; a weight, so backups
+    save it) is added to in every training step, outside the ledger: how
+    often each example was trained.
+    With `trained_log` (a path), each step also appends "first last" (its
+    batch's smallest and largest index) to that file, from the worker: a
+    record that outlives restarted processes. Build and compile it under the
+    strategy's scope.
     """
     import keras
     import tensorflow as tf
@@ -240,14 +244,19 @@ def counting_model(num_examples):
             super().__init__()
             self.hidden = keras.layers.Dense(16, activation="relu")
             self.out = keras.layers.Dense(1)
-            self.counts = tf.Variable(tf.zeros([num_examples], tf.int32), trainable=False)
+            self.counts = self.add_weight(shape=(num_examples,), dtype="int32",
+                                          initializer="zeros", trainable=False, name="counts")
 
         def call(self, inputs):
             return self.out(self.hidden(inputs[0]))
 
         def train_step(self, data):
             (_, index), _ = data
-            self.counts.scatter_add(tf.IndexedSlices(tf.ones_like(index, tf.int32), index))
+            self.counts.value.scatter_add(
+                tf.IndexedSlices(tf.ones_like(index, tf.int32), index))
+            if trained_log:
+                tf.print(tf.reduce_min(index), tf.reduce_max(index),
+                         output_stream=f"file://{trained_log}")
             return super().train_step(data)
 
     return Counting()

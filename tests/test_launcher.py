@@ -511,3 +511,67 @@ def test_a_kill_during_the_first_backup_write_is_followed_by_a_successful_restar
     assert "no complete backup" in output and "training starts from the beginning" in output
     assert job.result()["iterations"] == 200
     assert job.left_running() == []
+
+
+# One one-pass epoch of 200,000 indexed examples; each training step logs its indices from
+# the worker (`helpers.counting_model`), so the log covers every incarnation of the job.
+ONE_PASS_JOB = textwrap.dedent("""
+    import json, sys
+    import keras, kfit_ps, numpy as np, tensorflow as tf
+    from tests import helpers as h
+
+    N = 200_000
+    strategy = kfit_ps.ParameterServerStrategy()
+    (x, index), y = h.indexed_arrays(N)
+    dataset = tf.data.Dataset.from_tensor_slices(((x, index), y)).batch(256)
+    with strategy.scope():
+        model = h.counting_model(N, trained_log=sys.argv[1])
+        model.compile("adam", "mse", steps_per_execution=5)
+
+    class Steps(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if logs:  # only right after a synchronisation (a backup)
+                print("STEP", batch + 1, flush=True)
+
+    history = model.fit(dataset, epochs=1, verbose=0, callbacks=[Steps()])
+    print("RESULT " + json.dumps({"counts": np.bincount(model.counts.numpy()).tolist(),
+                                  "logs": history.history}), flush=True)
+""")
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+def test_a_killed_chief_resumes_a_one_pass_epoch_at_its_first_untrained_split(tmp_path):
+    n, batch, save_freq, spe, workers = 200_000, 256, 50, 5, 2
+    trained = tmp_path / "trained.log"
+    job = Job(tmp_path, "--workers", str(workers), "--ps", "1", "--backup-dir",
+              str(tmp_path / "backup"), "--save-freq", str(save_freq),
+              script=ONE_PASS_JOB, script_args=(trained,))
+    try:
+        job.read_until(lambda line: (step_of(line) or 0) >= 300)
+        os.kill(job.tasks()["chief:0"], signal.SIGKILL)
+        resumed = job.read_until(lambda line: "resuming one-pass epoch 1 at batch" in line)
+        status = job.finish()
+    finally:
+        if job.proc.poll() is None:
+            job.proc.kill()
+    assert status == 0, "\n".join(job.lines[-80:])
+    first = int(resumed.split("at batch ", 1)[1].split()[0])
+    assert first >= 300 - save_freq and first % save_freq == 0, resumed
+    # The restored state plus the resumed run: every example exactly once in the final model.
+    result = job.result()
+    assert result["counts"] == [0, n]
+    assert result["logs"]["ledger_splits_lost"] == [0.0]
+    # Over both runs (the worker-side log): every example trained, and the ones trained
+    # twice lie after the last backup, within its interval plus the splits in flight.
+    counts = np.zeros(n, np.int64)
+    for line in trained.read_text().split("\n"):
+        if line.strip():
+            lo, hi = map(int, line.split())
+            counts[lo:hi + 1] += 1
+    assert counts.min() >= 1
+    twice = np.flatnonzero(counts > 1)
+    assert twice.size and twice.min() >= first * batch, (twice[:5], first)
+    assert twice.max() < (first + save_freq + workers * spe) * batch, (twice.max(), first)
+    assert counts.max() == 2
+    assert job.left_running() == []
