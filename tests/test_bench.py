@@ -38,6 +38,8 @@ SCRIPTS = {
                   "--json", "{out}/long_run.json"], 900),
     "scaling": (["bench/scaling.py", "--workers", "1,2", "--ps", "1", "--steps", "10", "--rows",
                  "3000", "--json", "{out}/scaling.json", "--png", "{out}/scaling.png"], 900),
+    "data_ledger": (["bench/data_ledger.py", "--repeats", "1", "--examples", "20000",
+                     "--epochs", "2", "--kills", "2", "--json", "{out}/data_ledger.json"], 900),
     "dynamic_embeddings_quality": (["bench/dynamic_embeddings.py", "--part", "quality",
                                     "--repeats", "1", "--json", "{out}/quality.json", "--rows",
                                     "3000", "--batch-size", "128"], 900),
@@ -57,6 +59,7 @@ def _scripts_of(item):
         return [f"dynamic_embeddings_{item.callspec.params['part']}"]
     return {
         "test_fit_overhead_runs_and_reports_a_ratio": ["fit_overhead"],
+        "test_data_ledger_reports_both_answers_to_worker_loss": ["data_ledger"],
         "test_embedding_scaling_runs_and_reports_all_four_figures": ["embedding_scaling"],
         "test_dlrm_throughput_runs_all_three_contenders": ["dlrm_throughput"],
         "test_fit_phases_add_up_to_each_fit": ["fit_phases"],
@@ -194,6 +197,19 @@ def test_exact_evaluation_counts_every_example_on_both_paths(scripts):
     for name in ("shipped", "worker_read"):
         assert [run["examples"] for run in result["runs"][name]] == [5000.0]
     assert result["ratio_worker_read_over_shipped"]["median"] > 0
+
+
+@pytest.mark.slow
+def test_data_ledger_reports_both_answers_to_worker_loss(scripts):
+    _succeeded(scripts, "data_ledger")
+    result = scripts.json("data_ledger.json")
+    [ledger] = result["runs"]["ledger_kills"]
+    assert ledger["kills"] == 2 and ledger["lost"] == 0 and ledger["trained"] == 20000
+    assert ledger["duplicated"] <= ledger["ledger_examples_rerun"] <= 2 * 5 * 256
+    [service] = result["runs"]["data_service_kills"]
+    assert service["kills"] == 2 and service["trained"] + service["lost"] == 20000
+    assert result["ratio_ledger_over_stream"]["median"] > 0
+    assert result["examples_per_s"]["data_service"] > 0
 
 
 @pytest.mark.slow

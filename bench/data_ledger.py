@@ -1,0 +1,298 @@
+"""One-pass ledgered epochs against a stream, and against tf.data service's dynamic sharding.
+
+The job: `--examples` examples that each carry their index, batch
+`--batch-size`, `steps_per_execution=5`, a small MLP, on a `LocalCluster` of
+`--workers` workers + 1 ps. Every training step adds 1 to a per-index
+counter on the ps, so each run counts which examples it trained (apart from
+any ledger).
+
+Throughput (no failure), each contender in a fresh process, repeats
+alternating the order; examples/s of the epochs after the first (tracing
+excluded):
+
+- `ledger`: `fit(dataset)` on the finite dataset: one-pass epochs, each
+  batch read by index on the worker that trains it (`kfit_ps.ledger`);
+- `stream`: `fit(dataset.repeat(), steps_per_epoch=batches)`: each worker
+  iterates its own copy of the pipeline (the same number of steps; no pass
+  is exact);
+- `data_service`: tf.data service with dynamic sharding
+  (`processing_mode="distributed_epoch"`, a fault-tolerant dispatcher and 2
+  tf.data workers in the chief's process), each training worker reading the
+  shared job; one epoch per fit, after a warm-up fit. Its source is
+  `range(batches).map(gather batch b)`, so the service hands out one split
+  per batch (from `from_tensor_slices` it would hand out one per example:
+  26 s per epoch here instead of 1 s).
+
+Failures (`--kills` SIGKILLs of training workers at seeded random points of
+one epoch, each restarted 0.3 s later), `ledger` and `data_service`: examples
+lost (trained 0 times), duplicated (trained more than once), and for the
+ledger what it reported as re-run.
+
+    python bench/data_ledger.py                    # docs/benchmarks.md
+"""
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import child_process
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+THROUGHPUT = ("ledger", "stream", "data_service")
+FAILURES = ("ledger_kills", "data_service_kills")
+SPE = 5
+
+
+def _model(num_examples, features):
+    """An MLP on `((x, index), y)`; `model.counts` (a ps variable, not a weight) counts each
+    index trained; index -1 (the data service's padding after its end) is not counted."""
+    import keras
+    import tensorflow as tf
+
+    counts = tf.Variable(tf.zeros([num_examples], tf.int32), trainable=False)
+
+    class Counted(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.hidden = [keras.layers.Dense(64, activation="relu") for _ in range(2)]
+            self.out = keras.layers.Dense(1)
+
+        def call(self, inputs):
+            x = inputs[0]
+            for layer in self.hidden:
+                x = layer(x)
+            return self.out(x)
+
+        def train_step(self, data):
+            (_, index), _ = data
+            index = tf.boolean_mask(index, index >= 0)
+            counts.scatter_add(tf.IndexedSlices(tf.ones_like(index, tf.int32), index))
+            return super().train_step(data)
+
+    model = Counted()
+    model.counts = counts
+    model.compile(optimizer="adam", loss="mse", steps_per_execution=SPE)
+    return model
+
+
+def _arrays(args):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(args.examples, args.features)).astype("float32")
+    return (x, np.arange(args.examples, dtype=np.int64)), x.sum(axis=1, keepdims=True)
+
+
+class _EpochTimes:
+    """Wall time of each epoch (a Keras callback, made in the child)."""
+
+    @staticmethod
+    def make():
+        import keras
+
+        class Times(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.seconds = []
+
+            def on_epoch_begin(self, epoch, logs=None):
+                self._start = time.perf_counter()
+
+            def on_epoch_end(self, epoch, logs=None):
+                self.seconds.append(time.perf_counter() - self._start)
+
+        return Times()
+
+
+class _DataService:
+    """A fault-tolerant tf.data service dispatcher and 2 tf.data workers, in this process."""
+
+    def __init__(self):
+        import tensorflow as tf
+
+        service = tf.data.experimental.service
+        self.work_dir = tempfile.mkdtemp(prefix="kfit_ps_data_service_")
+        self.dispatcher = service.DispatchServer(service.DispatcherConfig(
+            port=0, work_dir=self.work_dir, fault_tolerant_mode=True))
+        address = self.dispatcher.target.split("://")[1]
+        self.workers = [service.WorkerServer(service.WorkerConfig(dispatcher_address=address))
+                        for _ in range(2)]
+
+    def creator(self, arrays, batch_size, job_name):
+        """A DatasetCreator: each training worker reads the shared job `job_name`, then padding
+        (index -1) once the service's epoch is over."""
+        import numpy as np
+        import tensorflow as tf
+
+        import kfit_ps
+
+        target = self.dispatcher.target
+        (x, _), _ = arrays
+        pad = ((np.zeros((1, x.shape[1]), "float32"), np.full((1,), -1, np.int64)),
+               np.zeros((1, 1), "float32"))
+
+        num_examples = len(x)
+
+        def dataset_fn(context):
+            (features, index), targets = tf.nest.map_structure(tf.constant, arrays)
+
+            def batch(b):  # The service splits its source: one split per batch index.
+                start = b * batch_size
+                stop = tf.minimum(start + batch_size, num_examples)
+                return (features[start:stop], index[start:stop]), targets[start:stop]
+
+            data = tf.data.Dataset.range(-(-num_examples // batch_size)).map(batch)
+            shared = data.apply(tf.data.experimental.service.distribute(
+                processing_mode="distributed_epoch", service=target, job_name=job_name))
+            return shared.concatenate(tf.data.Dataset.from_tensors(pad).repeat())
+
+        return kfit_ps.DatasetCreator(dataset_fn)
+
+
+def _kill_workers(cluster, model, args, seed):
+    """Starts a thread that SIGKILLs `args.kills` training workers at seeded points."""
+    rng = random.Random(seed)
+    batches = -(-args.examples // args.batch_size)
+    iterations = model.optimizer.iterations
+    start = int(iterations.numpy())
+    points = sorted(rng.sample(range(batches // 20, batches - batches // 4), args.kills))
+    kills = []
+
+    def chaos():
+        for point in points:
+            while int(iterations.numpy()) - start < point:
+                time.sleep(0.01)
+            task = rng.randrange(args.workers)
+            while cluster.pid("worker", task) is None:
+                time.sleep(0.05)
+            cluster.kill("worker", task)
+            kills.append(point)
+            threading.Thread(target=lambda t=task: (time.sleep(0.3),
+                                                    cluster.restart("worker", t))).start()
+
+    thread = threading.Thread(target=chaos)
+    thread.start()
+    return thread, kills
+
+
+def run_child(args):
+    import numpy as np
+    import tensorflow as tf
+
+    import kfit_ps
+
+    name = args.child
+    arrays = _arrays(args)
+    batches = -(-args.examples // args.batch_size)
+    service = _DataService() if name.startswith("data_service") else None
+    with kfit_ps.LocalCluster(num_workers=args.workers, num_ps=1) as cluster:
+        strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+        with strategy.scope():
+            model = _model(args.examples, args.features)
+        dataset = tf.data.Dataset.from_tensor_slices(arrays).batch(args.batch_size)
+        times = _EpochTimes.make()
+        result = {}
+        if name == "ledger":
+            model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=[times])
+            seconds = times.seconds[1:]
+        elif name == "stream":
+            model.fit(dataset.repeat(), epochs=args.epochs, steps_per_epoch=batches, verbose=0,
+                      callbacks=[times])
+            seconds = times.seconds[1:]
+        elif name == "data_service":
+            seconds = []
+            for epoch in range(args.epochs):  # one job per epoch; the first traces
+                model.fit(service.creator(arrays, args.batch_size, f"epoch{epoch}"), epochs=1,
+                          steps_per_epoch=batches + 4 * args.workers * SPE, verbose=0,
+                          callbacks=[times])
+            seconds = times.seconds[1:]
+        else:  # a failure run: one epoch with kills, after a warm-up that traces
+            model.fit(dataset.take(2 * SPE), epochs=1, verbose=0)
+            if name == "ledger_kills":
+                data, steps = dataset, None
+            else:
+                model.fit(service.creator(arrays, args.batch_size, "warmup"), epochs=1,
+                          steps_per_epoch=2 * SPE, verbose=0)
+                data, steps = service.creator(arrays, args.batch_size, "killed"), (
+                    batches + 4 * args.workers * SPE)
+            model.counts.assign(tf.zeros([args.examples], tf.int32))
+            thread, kills = _kill_workers(cluster, model, args, args.seed)
+            start = time.perf_counter()
+            history = model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
+            seconds = [time.perf_counter() - start]
+            thread.join()
+            counts = model.counts.numpy()
+            result.update(kills=len(kills), lost=int((counts == 0).sum()),
+                          duplicated=int((counts > 1).sum()),
+                          trained_twice_or_more=int((counts > 1).sum()))
+            if name == "ledger_kills":
+                result.update(ledger_examples_rerun=history.history["ledger_examples_rerun"][0],
+                              ledger_splits_rerun=history.history["ledger_splits_rerun"][0],
+                              ledger_splits_lost=history.history["ledger_splits_lost"][0])
+        counts = model.counts.numpy()
+        trained = int(np.minimum(counts, 1).sum()) if name.endswith("kills") else None
+        result.update(examples_per_s=args.examples / statistics.median(seconds),
+                      epoch_seconds=seconds, trained=trained)
+    child_process.report(result)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--examples", type=int, default=200_000)
+    parser.add_argument("--features", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--kills", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--failure-repeats", type=int, default=1)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--child", choices=THROUGHPUT + FAILURES, default=None,
+                        help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    child_process.run_if_child(args, run_child)
+
+    script = os.path.abspath(__file__)
+    results = {name: [] for name in THROUGHPUT + FAILURES}
+    for repeat in range(args.repeats):
+        order = THROUGHPUT if repeat % 2 == 0 else tuple(reversed(THROUGHPUT))
+        for name in order:
+            results[name].append(child_process.measure(script, name, argv))
+        print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(
+            f"{n} {results[n][-1]['examples_per_s']:,.0f} examples/s" for n in THROUGHPUT),
+            flush=True)
+    for repeat in range(args.failure_repeats):
+        for name in FAILURES:
+            results[name].append(child_process.measure(
+                script, name, [*argv, "--seed", str(args.seed + repeat)]))
+            r = results[name][-1]
+            print(f"{name}: {r['kills']} kills, lost {r['lost']}, duplicated {r['duplicated']}, "
+                  f"{r['examples_per_s']:,.0f} examples/s", flush=True)
+    ratios = [a["examples_per_s"] / b["examples_per_s"]
+              for a, b in zip(results["ledger"], results["stream"])]
+    summary = {
+        "config": {k: v for k, v in vars(args).items() if k != "child"},
+        "examples_per_s": {n: statistics.median(r["examples_per_s"] for r in runs)
+                           for n, runs in results.items() if runs},
+        "ratio_ledger_over_stream": {"median": statistics.median(ratios),
+                                     "per_repeat": ratios} if ratios else None,
+        "runs": results,
+    }
+    if ratios:
+        print(f"ledger / stream: median {statistics.median(ratios):.2f} "
+              f"(per repeat {', '.join(f'{r:.2f}' for r in ratios)})")
+    child_process.write_json(args.json, summary)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
