@@ -38,6 +38,7 @@ from kfit_ps.training import (DatasetCreator, SidecarEvaluator, export_saved_mod
                               shardable)
 from kfit_ps import callbacks  # noqa: E402
 from kfit_ps import layers  # noqa: E402
+from kfit_ps import ledger  # noqa: E402
 from kfit_ps.errors import ClusterError, ParameterServerError, WorkersLostError  # noqa: E402
 from kfit_ps.launch import LaunchConfig, run  # noqa: E402
 
@@ -68,6 +69,7 @@ __all__ = [
     "export_saved_model",
     "job_cluster",
     "layers",
+    "ledger",
     "partitioners",
     "run",
     "shardable",

@@ -181,3 +181,49 @@ def test_five_worker_kills_lose_no_example_and_the_ledger_names_the_retrained():
     assert result["killed"]["ledger_splits_rerun"] == [float(len(result["reruns"]))]
     assert result["once"] + len(result["reruns"]) == result["splits"]
     assert helpers.wait_for_no_servers(result["pids"], timeout=10) == []
+
+
+def test_array_epochs_are_different_permutations_of_every_example():
+    (x, index), y = helpers.indexed_arrays(1000)
+    source = kfit_ps.ledger.ArraySource(((x, index), y), 1000, 64, shuffle=True, seed=7)
+    data = tf.data.Dataset.from_tensors(source.arrays)
+    orders = []
+    for epoch in range(2):
+        batches = [source.read(data, tf.constant(b, tf.int64), tf.constant(epoch, tf.int64))
+                   for b in range(source.num_batches)]
+        order = np.concatenate([batch[0][1].numpy() for batch in batches])
+        assert sorted(order.tolist()) == list(range(1000))
+        assert [len(batch[1]) for batch in batches] == [64] * 15 + [40]
+        # Each example keeps its own features and target.
+        np.testing.assert_array_equal(np.concatenate([b[0][0].numpy() for b in batches]),
+                                      x[order])
+        orders.append(order)
+    assert (orders[0] != orders[1]).mean() > 0.9
+    assert source.examples_in(14, 5) == 64 + 40
+    unshuffled = kfit_ps.ledger.ArraySource(((x, index), y), 1000, 64, shuffle=False)
+    first = unshuffled.read(data, tf.constant(3, tf.int64), tf.constant(1, tf.int64))
+    assert first[0][1].numpy().tolist() == list(range(192, 256))
+
+
+def test_a_backup_resumes_only_on_the_same_data(model, tmp_path):
+    (x, index), y = helpers.indexed_arrays(N)
+    backup = str(tmp_path / "backup")
+
+    def fit(examples, epochs, **kwargs):
+        return model.fit((x[:examples], index[:examples]), y[:examples], batch_size=BATCH,
+                         epochs=epochs, verbose=0, callbacks=[kfit_ps.callbacks.BackupAndRestore(
+                             backup, delete_checkpoint=False)], **kwargs)
+
+    fit(N, 1)  # leaves a backup at the end of epoch 1, with the counts then
+    saved = model.counts.numpy()
+    logs = fit(N, 2).history  # restores them and trains epoch 2 only
+    assert (model.counts.numpy() == saved + 1).all()
+    assert logs["ledger_splits"] == [8.0]
+    with pytest.raises(ValueError) as info:
+        fit(N - 1000, 3)
+    assert "written while training on other data" in str(info.value)
+    assert "one-pass epochs of 40 batches (10000 examples of arrays" in str(info.value)
+    assert "this fit trains one-pass epochs of 36 batches (9000 examples" in str(info.value)
+    with pytest.raises(ValueError) as info:
+        fit(N, 3, steps_per_epoch=4)
+    assert "this fit trains a stream (`steps_per_epoch` batches per epoch)" in str(info.value)

@@ -27,11 +27,14 @@ def check(exc_info, *fragments):
         assert fragment in message, f"{fragment!r} not in {message!r}"
 
 
-def test_dataset_creator_or_dataset_without_steps_per_epoch(model):
+def test_an_infinite_input_without_steps_per_epoch(model):
+    # A finite input trains one pass per epoch (tests/test_data_ledger.py); a stream needs
+    # `steps_per_epoch`.
     with pytest.raises(ValueError) as info:
         model.fit(data(), epochs=1)
-    check(info, "`steps_per_epoch` is required", "Received: steps_per_epoch=None")
-    dataset = tf.data.Dataset.from_tensors((tf.ones((2, 4)), tf.ones((2, 1))))
+    check(info, "`steps_per_epoch` is required", "Received: steps_per_epoch=None",
+          "remove `.repeat()`")
+    dataset = tf.data.Dataset.from_tensors((tf.ones((2, 4)), tf.ones((2, 1)))).repeat()
     with pytest.raises(ValueError) as info:
         model.fit(dataset, epochs=1)
     check(info, "`steps_per_epoch` is required")

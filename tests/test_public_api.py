@@ -21,7 +21,7 @@ ALLOWED = {
     "launch": {"launch", "cluster", "_tf_log_filter"} | LEAVES,
     "jobs": {"cluster", "training", "strategy", "data"} | LEAVES,
     "data": set(),
-    "training": {"strategy", "_tf_compat", "training", "embeddings"} | LEAVES,
+    "training": {"strategy", "_tf_compat", "training", "embeddings", "ledger"} | LEAVES,
     "cluster": {"cluster", "_tf_compat"} | LEAVES,
     "strategy": {"_tf_compat", "strategy"} | LEAVES,
     "_tf_compat": {"_tf_compat"},
@@ -35,6 +35,7 @@ ALLOWED = {
     "layers": {"embeddings"},
     "embeddings": {"embeddings", "strategy", "_tf_compat"} | LEAVES,
     "partitioners": set(),
+    "ledger": {"ledger", "_tf_compat"} | LEAVES,
 }
 
 
@@ -43,12 +44,13 @@ def test_all_is_the_public_api():
         "ClusterConfig", "ClusterError", "DatasetCreator", "LaunchConfig", "LocalCluster",
         "ParameterServerError", "ParameterServerStrategy", "SidecarEvaluator",
         "WorkersLostError", "__version__", "callbacks", "errors", "export_saved_model",
-        "job_cluster", "layers", "partitioners", "run", "shardable", "shards"])
+        "job_cluster", "layers", "ledger", "partitioners", "run", "shardable", "shards"])
     assert issubclass(kfit_ps.WorkersLostError, kfit_ps.ClusterError)
     assert issubclass(kfit_ps.ParameterServerError, kfit_ps.ClusterError)
     assert sorted(kfit_ps.callbacks.__all__) == [
         "BackupAndRestore", "ModelCheckpoint", "SyncCallback", "TensorBoard"]
     assert kfit_ps.layers.__all__ == ["DynamicEmbedding"]
+    assert "reports" in kfit_ps.ledger.__all__
     for name in kfit_ps.__all__:
         assert getattr(kfit_ps, name) is not None
     import tensorflow as tf

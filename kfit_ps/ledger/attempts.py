@@ -2,11 +2,11 @@
 
 TensorFlow re-runs a scheduled function whose worker died, on another
 worker, without telling the coordinator. Each ledgered function therefore
-adds 1 to its split's counter on a ps before it reads its first batch (every
-batch read depends on that write): a split counted more than once was
-started more than once, and only such a split can have had part of its
-updates applied twice. A function that died before the write read no batch
-and applied nothing.
+adds 1 to its split's counter on a ps before its first step (every step
+takes its batch through a control dependency on that write): a split
+counted more than once was started more than once, and only such a split
+can have had part of its updates applied twice. A function that died before
+the write applied nothing.
 """
 
 import tensorflow as tf

@@ -101,8 +101,8 @@ class ScheduledFunctions:
         """`fn(data, first, epoch) -> packed metric state`: training on the `k` batches of a
         one-pass epoch's split from batch `first`, read from `ledger.source`'s worker data.
 
-        The split's start is counted on a ps first (`ledger.attempts`); every
-        batch read waits for that write.
+        The split's start is counted on a ps (`ledger.attempts`) while its
+        first batch is read; every step waits for that write.
         """
         strategy, metric_state, source = self._strategy, self.metric_state, ledger.source
 
@@ -110,12 +110,13 @@ class ScheduledFunctions:
             train_step = self._train_step()
 
             def run(data, first, epoch):
-                with tf.control_dependencies([ledger.attempts.mark(first)]):
-                    first = tf.identity(first)
+                marked = ledger.attempts.mark(first)
                 state = metric_state.zeros()
                 steps = range(k) if k <= MAX_UNROLLED_STEPS else tf.range(k, dtype=tf.int64)
                 for j in steps:
                     batch = source.read(data, first + j, epoch)
+                    with tf.control_dependencies([marked]):
+                        batch = tf.nest.map_structure(tf.identity, batch)
                     state = metric_state.run_replica(strategy, train_step, batch, state)
                 return metric_state.pack(state)
 

@@ -21,10 +21,14 @@ How each supported input is split across workers:
 
 | input | training | evaluate / predict / validation |
 | --- | --- | --- |
-| `DatasetCreator(fn)` | `fn` runs on each worker | without `steps`: `fn` runs on each worker, its finite dataset evaluated in shards, exactly once (predict: `steps` required); with `steps`: that many batches of the workers' datasets |
-| `tf.data.Dataset` (batched) | a copy on each worker, repeated | finite: shipped in order; infinite: per worker, `steps` required |
+| `DatasetCreator(fn)` | `fn` runs on each worker (finite, without `steps_per_epoch`: one-pass epochs) | without `steps`: `fn` runs on each worker, its finite dataset evaluated in shards, exactly once (predict: `steps` required); with `steps`: that many batches of the workers' datasets |
+| `tf.data.Dataset` (batched) | finite, without `steps_per_epoch`: one-pass epochs; else a copy on each worker, repeated | finite: shipped in order; infinite: per worker, `steps` required |
 | `kfit_ps.shardable(dataset)` | as the dataset | a copy on each worker, evaluated in shards, exactly once |
-| numpy arrays / tensors `(x, y[, sample_weight])` | a copy on each worker, shuffled independently, repeated, batched | shipped in order |
+| numpy arrays / tensors `(x, y[, sample_weight])` | without `steps_per_epoch`: one-pass epochs; else a copy on each worker, shuffled independently, repeated, batched | shipped in order |
+
+One-pass epochs (`fit` without `steps_per_epoch` on finite data) read each
+batch by index on the worker that trains it (`WorkerInput.one_pass`, a
+`kfit_ps.ledger` source); see `kfit_ps.ledger`.
 """
 
 import dataclasses
@@ -176,7 +180,8 @@ def adapt(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True, train
     """Returns a `WorkerInput` or `ShippedInput` for `(x, y, sample_weight)`.
 
     Args:
-        training: True for training data (always `WorkerInput`, repeated).
+        training: True for training data (always `WorkerInput`: a stream, or one-pass
+            epochs through its `one_pass` source).
         arg: the argument name used in error messages.
     """
     batch_size = validation.check_optional_int("batch_size", batch_size, 1)

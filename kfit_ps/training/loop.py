@@ -10,8 +10,11 @@ Who owns what:
 - **Model state**: built here, under the strategy scope, from the input's
   element spec (`prepare`), then checked to live on the ps tasks.
 - **Per-worker datasets**: created once per call with
-  `ClusterCoordinator.create_per_worker_dataset`; their iterators continue
-  across epochs, so an epoch is `steps_per_epoch` batches, not a pass.
+  `ClusterCoordinator.create_per_worker_dataset`. A stream (`steps_per_epoch`
+  given): their iterators continue across epochs, so an epoch is
+  `steps_per_epoch` batches, not a pass. One-pass epochs (finite data, no
+  `steps_per_epoch`): each function reads its own split's batches by index,
+  and `kfit_ps.ledger.Ledger` records each split trained, re-run or lost.
 - **Scheduling**: `ceil(steps / steps_per_execution)` functions per epoch
   (`functions.ScheduledFunctions`), each running on whichever worker is free.
 - **`join()`**: once per epoch, once per evaluation, and at each step where a

@@ -30,7 +30,10 @@ class BackupAndRestore(SyncCallback):
     coordinator dies (even by SIGKILL), rerunning the same `fit` finds the
     last complete backup in `on_train_begin`, restores it on the ps tasks and
     continues from that position, so `optimizer.iterations` ends where an
-    uninterrupted run ends. The input pipeline starts afresh on resume.
+    uninterrupted run ends. A stream's input pipeline starts afresh on
+    resume; a one-pass epoch (`kfit_ps.ledger`) resumes at its first
+    untrained split, and a backup of one-pass epochs records the data's shape
+    (batches, examples, batch size): resuming on other data is refused.
 
     Each backup is a new `backup-<n>.weights.h5` file, published by a marker
     written after it (`checkpoint_files`: "data, then marker", no rename, so
