@@ -5,6 +5,8 @@ per-index counter on a ps (`helpers.counting_model`), so the tests count
 what was trained independently of `kfit_ps.ledger`'s own report.
 """
 
+import json
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -209,13 +211,20 @@ def test_a_backup_resumes_only_on_the_same_data(model, tmp_path):
     (x, index), y = helpers.indexed_arrays(N)
     backup = str(tmp_path / "backup")
 
-    def fit(examples, epochs, **kwargs):
+    def fit(examples, epochs, checkpoint=None, **kwargs):
+        callbacks = [kfit_ps.callbacks.BackupAndRestore(backup, delete_checkpoint=False)]
+        if checkpoint:
+            callbacks.append(kfit_ps.callbacks.ModelCheckpoint(checkpoint,
+                                                               save_weights_only=True))
         return model.fit((x[:examples], index[:examples]), y[:examples], batch_size=BATCH,
-                         epochs=epochs, verbose=0, callbacks=[kfit_ps.callbacks.BackupAndRestore(
-                             backup, delete_checkpoint=False)], **kwargs)
+                         epochs=epochs, verbose=0, callbacks=callbacks, **kwargs)
 
-    fit(N, 1)  # leaves a backup at the end of epoch 1, with the counts then
+    checkpoint = str(tmp_path / "ckpt.weights.h5")
+    fit(N, 1, checkpoint=checkpoint)  # leaves a backup at the end of epoch 1, with the counts
     saved = model.counts.numpy()
+    with open(checkpoint + ".kfit_ps.json") as f:  # the checkpoint records the data's shape
+        assert json.load(f)["ledger"] == {"kind": "arrays", "batches": 40, "examples": N,
+                                          "batch_size": BATCH}
     logs = fit(N, 2).history  # restores them and trains epoch 2 only
     assert (model.counts.numpy() == saved + 1).all()
     assert logs["ledger_splits"] == [8.0]
@@ -227,3 +236,56 @@ def test_a_backup_resumes_only_on_the_same_data(model, tmp_path):
     with pytest.raises(ValueError) as info:
         fit(N, 3, steps_per_epoch=4)
     assert "this fit trains a stream (`steps_per_epoch` batches per epoch)" in str(info.value)
+
+
+# Shuffled arrays, stopped by SIGTERM mid-epoch (a backup at the step reached), then resumed
+# by a second `fit`: the resumed epoch draws the same permutation, so its remaining splits are
+# exactly the untrained examples.
+RESUMED_SHUFFLED_EPOCH = """
+import signal
+from kfit_ps.training import preemption
+from tests import helpers as h
+
+N = 10_000
+preemption.install()
+(x, index), y = h.indexed_arrays(N)
+with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+    strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+    with strategy.scope():
+        model = h.counting_model(N)
+        model.compile(optimizer="adam", loss="mse", steps_per_execution=5)
+
+    class Stop(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 20:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def fit(*callbacks):
+        backup = kfit_ps.callbacks.BackupAndRestore(sys.argv[1], save_freq=10)
+        return model.fit((x, index), y, batch_size=256, epochs=1, verbose=1,
+                         callbacks=[backup, *callbacks])
+
+    try:
+        fit(Stop())
+        stopped = False
+    except kfit_ps.errors.Preempted:
+        stopped = True
+    preemption.reset()
+    partial = np.bincount(model.counts.numpy()).tolist()
+    logs = fit().history
+    report(stopped=stopped, partial=partial, counts=np.bincount(model.counts.numpy()).tolist(),
+           logs=logs)
+os._exit(0)
+"""
+
+
+@pytest.mark.slow
+def test_a_shuffled_epoch_stopped_by_sigterm_resumes_with_its_untrained_examples(tmp_path):
+    code = RESUMED_SHUFFLED_EPOCH.replace("sys.argv[1]", repr(str(tmp_path / "backup")))
+    result = helpers.run_chief(code, timeout=300)
+    assert result["stopped"], result["_stdout"][-2000:]
+    trained = result["partial"][1]
+    assert 0 < trained < N and trained % (5 * 256) == 0
+    assert f"resuming one-pass epoch 1 at batch {trained // 256} of 40" in result["_stdout"]
+    assert result["counts"] == [0, N]
+    assert result["logs"]["ledger_splits_lost"] == [0.0]

@@ -28,8 +28,8 @@ class Attempts:
         return self.variable.scatter_add(tf.IndexedSlices(tf.ones([1], tf.int32), index))
 
     def read(self):
-        """The counters, as a numpy array."""
-        return self.variable.numpy()
+        """The counters, as a numpy array (whole, also when a partitioner sharded them)."""
+        return tf.convert_to_tensor(self.variable).numpy()
 
     def reset(self):
         self.variable.assign(tf.zeros([self._size], tf.int32))

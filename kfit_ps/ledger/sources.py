@@ -8,8 +8,10 @@ split. Two kinds of source allow that:
 - `ArraySource`: numpy arrays or tensors given to `fit` as `(x, y,
   sample_weight)`. Batch `b` of an epoch holds the examples at positions
   `[b * batch_size, (b + 1) * batch_size)` of the epoch's order: the arrays'
-  order, or with `shuffle=True` (Keras' default) a permutation drawn per
-  epoch (`tf.random.experimental.index_shuffle`), as Keras shuffles arrays.
+  order, or with `shuffle=True` (Keras' default) a permutation per epoch
+  (`tf.random.experimental.index_shuffle`), as Keras shuffles arrays. The
+  permutation is a function of the epoch and the data's size, the same in a
+  restarted chief: a resumed epoch's remaining splits are its untrained ones.
 - `DatasetSource`: a finite `tf.data.Dataset` of batches, or a
   `DatasetCreator` that builds one on each worker, whose number of batches
   TensorFlow knows and whose batches it can read by index
@@ -22,7 +24,8 @@ A source's data reaches each worker once (`worker_data`); `read(data, batch,
 epoch)` runs inside the scheduled function.
 """
 
-import numpy as np
+import zlib
+
 import tensorflow as tf
 
 from kfit_ps import _tf_compat
@@ -57,8 +60,11 @@ class ArraySource:
         self.batch_size = int(batch_size)
         self.num_batches = -(-self.num_examples // self.batch_size)
         self.shuffle = bool(shuffle)
-        # One seed per fit: each epoch's permutation is drawn from it and the epoch.
-        self.seed = int(np.random.randint(0, 2**31 - 1) if seed is None else seed)
+        # Each epoch's permutation follows from the seed and the epoch. The default seed
+        # follows from the data's size: a restarted chief resuming an epoch at a split
+        # draws the same permutation, so the splits after it hold the untrained examples.
+        self.seed = int(zlib.crc32(f"{self.num_examples}/{self.batch_size}".encode())
+                        if seed is None else seed)
         self.element_spec = tf.nest.map_structure(
             lambda a: tf.TensorSpec((None,) + tuple(a.shape[1:]), tf.as_dtype(a.dtype)), arrays)
 

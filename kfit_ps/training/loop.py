@@ -197,7 +197,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
         iterator = per_worker_iterator(strategy, train_input)
         ledger, train = None, fns.train
     else:
-        ledger = _one_pass_ledger(model, strategy, source, fns)
+        ledger = _one_pass_ledger(model, strategy, source)
         train = functools.partial(fns.train_split, ledger=ledger)
         data = source.worker_data(coordinator)
     callbacks = CallbackList(callbacks, add_history=True, add_progbar=False, model=model,
@@ -282,7 +282,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
         raise
 
 
-def _one_pass_ledger(model, strategy, source, fns):
+def _one_pass_ledger(model, strategy, source):
     """The ledger of this `fit`'s one-pass epochs (`kfit_ps.ledger.reports(model)` reads it)."""
     ledger = data_ledger.Ledger(source, strategy, model.steps_per_execution)
     model._kfit_ps_ledger = ledger  # noqa: SLF001 - kfit_ps' own attribute on the model

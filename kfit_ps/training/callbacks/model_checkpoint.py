@@ -20,7 +20,9 @@ class ModelCheckpoint(SyncCallback):
     exactly the steps applied. Each saved file is published by a marker
     (`<file>.kfit_ps.json`, with the training step and the file's digest)
     written once it is complete; a file about to be overwritten loses its
-    marker first (`checkpoint_files`). The directory gets
+    marker first (`checkpoint_files`). In one-pass epochs (`kfit_ps.ledger`)
+    the marker also records the data's shape (batches, examples, batch
+    size), so its epoch and batch name the examples trained. The directory gets
     `kfit_ps_training.json` when `fit` starts and
     `kfit_ps_training_done.json` when it ends; the side-car evaluator reads
     them all. Paths may be any `tf.io.gfile` URL (`gs://...`).
@@ -117,7 +119,8 @@ class ModelCheckpoint(SyncCallback):
             self.model.save_weights(path, overwrite=True)
         else:
             self.model.save(path, overwrite=True)
-        checkpoint_files.publish(path, checkpoint_files.training_step(self.model), epoch, step)
+        checkpoint_files.publish(path, checkpoint_files.training_step(self.model), epoch, step,
+                                 ledger=self.ledger_state)
         self.last_saved = path
         if self.verbose:
             _tf_compat.print_msg(f"\nEpoch {epoch + 1}: saved {path}")
