@@ -164,18 +164,26 @@ def _kill_workers(cluster, model, args, seed):
     start = int(iterations.numpy())
     points = sorted(rng.sample(range(batches // 20, batches - batches // 4), args.kills))
     kills = []
+    up = [threading.Event() for _ in range(args.workers)]  # set while the worker serves
+    for event in up:
+        event.set()
+
+    def restart(task):
+        time.sleep(0.3)
+        cluster.restart("worker", task)
+        up[task].set()
 
     def chaos():
         for point in points:
             while int(iterations.numpy()) - start < point:
                 time.sleep(0.01)
-            task = rng.randrange(args.workers)
-            while cluster.pid("worker", task) is None:
-                time.sleep(0.05)
+            serving = [task for task in range(args.workers) if up[task].is_set()]
+            task = rng.choice(serving) if serving else rng.randrange(args.workers)
+            up[task].wait()  # never a worker still restarting
+            up[task].clear()
             cluster.kill("worker", task)
             kills.append(point)
-            threading.Thread(target=lambda t=task: (time.sleep(0.3),
-                                                    cluster.restart("worker", t))).start()
+            threading.Thread(target=restart, args=(task,)).start()
 
     thread = threading.Thread(target=chaos)
     thread.start()

@@ -225,12 +225,13 @@ def dump(obj):
     return json.dumps(obj)
 
 
-def counting_model(num_examples, trained_log=None):
+def counting_model(num_examples, trained_log=None, saved=True):
     """A regression model on `((x, index), y)` whose training steps count each index.
 
-    `model.counts` (int32, one per example, on a ps; a weight, so backups
-    save it) is added to in every training step, outside the ledger: how
-    often each example was trained.
+    `model.counts` (int32, one per example, on a ps) is added to in every
+    training step, outside the ledger: how often each example was trained.
+    With `saved=True` it is a weight (backups save and restore it; each step
+    also reads it, as every small weight); otherwise a plain variable.
     With `trained_log` (a path), each step also appends "first last" (its
     batch's smallest and largest index) to that file, from the worker: a
     record that outlives restarted processes. Build and compile it under the
@@ -244,16 +245,20 @@ def counting_model(num_examples, trained_log=None):
             super().__init__()
             self.hidden = keras.layers.Dense(16, activation="relu")
             self.out = keras.layers.Dense(1)
-            self.counts = self.add_weight(shape=(num_examples,), dtype="int32",
-                                          initializer="zeros", trainable=False, name="counts")
+            if saved:
+                self.counts = self.add_weight(shape=(num_examples,), dtype="int32",
+                                              initializer="zeros", trainable=False,
+                                              name="counts")
+            else:
+                self.counts = tf.Variable(tf.zeros([num_examples], tf.int32), trainable=False)
 
         def call(self, inputs):
             return self.out(self.hidden(inputs[0]))
 
         def train_step(self, data):
             (_, index), _ = data
-            self.counts.value.scatter_add(
-                tf.IndexedSlices(tf.ones_like(index, tf.int32), index))
+            counts = self.counts.value if saved else self.counts
+            counts.scatter_add(tf.IndexedSlices(tf.ones_like(index, tf.int32), index))
             if trained_log:
                 tf.print(tf.reduce_min(index), tf.reduce_max(index),
                          output_stream=f"file://{trained_log}")

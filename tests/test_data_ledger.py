@@ -111,7 +111,7 @@ with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
     strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
     dataset = tf.data.Dataset.from_tensor_slices(((x, index), y)).batch(BATCH)
     with strategy.scope():
-        model = h.counting_model(N)
+        model = h.counting_model(N, saved=False)
         model.compile(optimizer="adam", loss="mse", steps_per_execution=5)
     clean = model.fit(dataset, epochs=1, verbose=0).history
     clean_counts = model.counts.numpy()
@@ -121,21 +121,32 @@ with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
     iterations = model.optimizer.iterations
     start = int(iterations.numpy())
     points = sorted(rng.sample(range(40, batches - 200), KILLS))
-    kills, restarts = [], []
+    kills = []
+    up = [threading.Event() for _ in range(2)]  # set while the worker serves
+    for event in up:
+        event.set()
+
+    def restart(task):
+        time.sleep(0.3)
+        cluster.restart("worker", task)
+        up[task].set()
+
+    restarts = []
 
     def chaos():
         for point in points:
             while int(iterations.numpy()) - start < point:
                 time.sleep(0.01)
             task = rng.randrange(2)
-            while cluster.pid("worker", task) is None:
-                time.sleep(0.05)
+            if not up[task].is_set():  # kill a serving worker, never one still restarting
+                task = 1 - task
+            up[task].wait()
             time.sleep(rng.uniform(0, 0.05))
+            up[task].clear()
             cluster.kill("worker", task)
             kills.append((task, int(iterations.numpy()) - start))
-            threading.Thread(target=lambda t=task: (time.sleep(0.3),
-                                                    cluster.restart("worker", t),
-                                                    restarts.append(t))).start()
+            restarts.append(threading.Thread(target=restart, args=(task,)))
+            restarts[-1].start()
 
     thread = threading.Thread(target=chaos)
     thread.start()
@@ -144,9 +155,8 @@ with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
     counts = model.counts.numpy()
     report_ = kfit_ps.ledger.reports(model)[0]
     reruns = [[r.first_batch, r.batches, r.starts, r.examples] for r in report_.reruns]
-    deadline = time.monotonic() + 60
-    while len(restarts) < len(kills) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    for restarted in restarts:
+        restarted.join()
     report(clean=clean, clean_counts=np.bincount(clean_counts).tolist(), killed=killed,
            counts=counts.tolist(), reruns=reruns, kills=kills, points=points,
            lost=report_.lost, once=report_.trained_once, splits=report_.splits,
@@ -164,6 +174,7 @@ def test_five_worker_kills_lose_no_example_and_the_ledger_names_the_retrained():
     assert result["clean_counts"] == [0, n]
     assert result["clean"]["ledger_splits_rerun"] == [0.0]
     assert len(result["kills"]) == 5, result["kills"]
+    assert all(at < -(-n // batch) for _, at in result["kills"]), result["kills"]  # in the fit
     counts = np.asarray(result["counts"])
     # With 5 kills: none lost, counted apart from the ledger.
     assert counts.min() >= 1
