@@ -300,3 +300,19 @@ def test_a_shuffled_epoch_stopped_by_sigterm_resumes_with_its_untrained_examples
     assert f"resuming one-pass epoch 1 at batch {trained // 256} of 40" in result["_stdout"]
     assert result["counts"] == [0, N]
     assert result["logs"]["ledger_splits_lost"] == [0.0]
+
+
+def test_the_ledger_counts_splits_never_finished_as_lost(strategy):
+    (x, index), y = helpers.indexed_arrays(1000)
+    source = kfit_ps.ledger.ArraySource(((x, index), y), 1000, 64, shuffle=False)
+    ledger = kfit_ps.ledger.Ledger(source, strategy, split_size=5)  # 16 batches
+    ledger.begin_epoch(0, first_batch=0)
+    ledger.dispatched(0, [5, 5, 5, 1])
+    ledger.joined(cancelled=2)  # the two newest never started: batches 10..15
+    report = ledger.end_epoch()
+    assert (report.splits, report.lost, report.reruns) == (2, 2, ())
+    assert report.logs()["ledger_splits_lost"] == 2.0
+    ledger.begin_epoch(1, first_batch=10)  # resumed: batches before 10 were trained before
+    ledger.dispatched(10, [5, 1])
+    ledger.joined()
+    assert ledger.end_epoch().lost == 0

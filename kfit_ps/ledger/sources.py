@@ -164,7 +164,8 @@ def dataset_source(dataset, arg, build=None):
             f"`from_tensor_slices` with `map` and `batch`, or {STREAM}")
     if cardinality == 0:
         raise ValueError(f"`{arg}` has no batches: there is nothing to train on. Received an "
-                         "empty dataset (cardinality 0).")
+                         "empty dataset (cardinality 0). Pass data with at least one batch "
+                         "(check `take`, `skip` and `batch(..., drop_remainder=True)`).")
     shuffles = _tf_compat.shuffle_ops(dataset)
     if shuffles:
         raise ValueError(
