@@ -28,6 +28,12 @@ from kfit_ps.training.metric_state import MetricState
 MAX_UNROLLED_STEPS = 10
 
 
+def _step_indices(k):
+    """Step indices of a `k`-step function: Python ints (the steps unrolled) up to
+    `MAX_UNROLLED_STEPS`, else an int64 graph loop (its index adds to a batch index)."""
+    return range(k) if k <= MAX_UNROLLED_STEPS else tf.range(k, dtype=tf.int64)
+
+
 class ScheduledFunctions:
     """The scheduled functions of one compiled model under one strategy."""
 
@@ -50,12 +56,8 @@ class ScheduledFunctions:
 
         def run(iterator):
             state = metric_state.zeros()
-            if k <= MAX_UNROLLED_STEPS:
-                for _ in range(k):
-                    state = one(state, iterator)
-            else:
-                for _ in tf.range(k):
-                    state = one(state, iterator)
+            for _ in _step_indices(k):
+                state = one(state, iterator)
             return metric_state.pack(state)
 
         return tf.function(run, jit_compile=False)
@@ -112,8 +114,7 @@ class ScheduledFunctions:
             def run(data, first, epoch):
                 marked = ledger.attempts.mark(first)
                 state = metric_state.zeros()
-                steps = range(k) if k <= MAX_UNROLLED_STEPS else tf.range(k, dtype=tf.int64)
-                for j in steps:
+                for j in _step_indices(k):
                     batch = source.read(data, first + j, epoch)
                     with tf.control_dependencies([marked]):
                         batch = tf.nest.map_structure(tf.identity, batch)
