@@ -47,3 +47,28 @@ def scaling_chart(path, rows, title):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def spread_chart(path, series, title, ylabel, reference=None):
+    """`series`: {label: [one value per repeat]}; a bar at each median, a dot per repeat (the
+    spread), and a dashed line at `reference` (a target or 1.0 for ratios) when given."""
+    import statistics
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.6 * len(series) + 1.5), 3.5))
+    labels = list(series)
+    medians = [statistics.median(series[label]) for label in labels]
+    ax.bar(range(len(labels)), medians, color="#9ecae1", width=0.6)
+    for i, label in enumerate(labels):
+        values = series[label]
+        ax.scatter([i] * len(values), values, color="#08519c", s=14, zorder=3)
+        ax.annotate(f"{medians[i]:,.3g}", (i, medians[i]), ha="center", va="bottom",
+                    fontsize=9, xytext=(12, 2), textcoords="offset points")
+    if reference is not None:
+        ax.axhline(reference, color="#a50f15", linestyle="--", linewidth=1)
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_title(title, fontsize=10)
+    ax.set_ylabel(ylabel)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

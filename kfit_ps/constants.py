@@ -28,6 +28,13 @@ and `LocalCluster` passes the environment on to its servers.
 | `KFIT_PS_WORKERS` | `2` | default `--workers` of `kfit-ps quickstart` and `kfit-ps local` |
 | `KFIT_PS_PS` | `2` (quickstart), `1` (local) | default `--ps` of those commands |
 | `KFIT_PS_TF_LOGS` | unset | `1`: show TensorFlow's C++ log lines on standard error (`kfit_ps.tf_logs` drops them) |
+| `KFIT_PS_JOB` | `kfit_ps` | the `job` label of every metric and the job named in events and on the status page (the manifests set the job's name) |
+| `KFIT_PS_STATUS_PORT` | `0` | default `--status-port` of `kfit-ps run` (0: a free port) |
+| `KFIT_PS_METRICS_PORT` | unset | the chief serves its metrics (`/metrics`, Prometheus text format) on this port of `KFIT_PS_METRICS_ADDRESS`; set by `kfit-ps run` (off in a plain script unless set) |
+| `KFIT_PS_METRICS_ADDRESS` | `127.0.0.1` | the address the chief's metrics listen on |
+| `KFIT_PS_EVENTS` | unset | the chief appends its events (JSON lines) to this local file; set by `kfit-ps run` to `events.jsonl` in the run directory |
+| `KFIT_PS_DIAGNOSIS_INTERVAL` | `3` | seconds between the chief's samples of per-worker steps and per-ps CPU (straggler and hot-ps diagnosis) |
+| `KFIT_PS_MONITOR` | `1` | `0`: the chief keeps no metrics, events or diagnosis (`kfit_ps.training.monitor`) |
 | `TF_CPP_MIN_LOG_LEVEL` | servers: `1` | TensorFlow's own C++ log filter (servers log to their files); set it to override |
 """
 
@@ -55,6 +62,13 @@ PACKED_READ_MAX_BYTES_ENV = "KFIT_PS_PACKED_READ_MAX_BYTES"
 SNAPSHOT_READ_MAX_BYTES_ENV = "KFIT_PS_SNAPSHOT_READ_MAX_BYTES"
 METRIC_RESULTS_PENDING_ENV = "KFIT_PS_METRIC_RESULTS_PENDING"
 TABLE_CHUNK_ROWS_ENV = "KFIT_PS_TABLE_CHUNK_ROWS"
+JOB_ENV = "KFIT_PS_JOB"
+STATUS_PORT_ENV = "KFIT_PS_STATUS_PORT"
+METRICS_PORT_ENV = "KFIT_PS_METRICS_PORT"
+METRICS_ADDRESS_ENV = "KFIT_PS_METRICS_ADDRESS"
+EVENTS_ENV = "KFIT_PS_EVENTS"
+DIAGNOSIS_INTERVAL_ENV = "KFIT_PS_DIAGNOSIS_INTERVAL"
+MONITOR_ENV = "KFIT_PS_MONITOR"
 
 DEFAULT_STARTUP_TIMEOUT = 120.0
 DEFAULT_PARENT_POLL = 0.5
@@ -65,6 +79,8 @@ DEFAULT_PACKED_READ_MAX_BYTES = 256 << 10
 DEFAULT_SNAPSHOT_READ_MAX_BYTES = 32 << 20
 DEFAULT_METRIC_RESULTS_PENDING = 1024
 DEFAULT_TABLE_CHUNK_ROWS = 1 << 16
+DEFAULT_JOB = "kfit_ps"
+DEFAULT_DIAGNOSIS_INTERVAL = 3.0
 
 # Task types understood by kfit_ps, in TensorFlow's naming.
 CHIEF = "chief"
@@ -204,3 +220,35 @@ def show_tf_logs():
 
 def log_level():
     return os.environ.get(LOG_LEVEL_ENV, "WARNING").upper()
+
+
+def job_name():
+    """The job's name: the `job` label of metrics (`KFIT_PS_JOB`)."""
+    return os.environ.get(JOB_ENV) or DEFAULT_JOB
+
+
+def metrics_port():
+    """The port of the chief's metrics, or None: not served (`KFIT_PS_METRICS_PORT`)."""
+    port = env_int(METRICS_PORT_ENV, 0)
+    if not 0 <= port < 65536:
+        raise ValueError(f"Environment variable {METRICS_PORT_ENV} must be a port (1-65535), or "
+                         f"unset to serve no metrics. Received: {METRICS_PORT_ENV}={port}.")
+    return port or None
+
+
+def metrics_address():
+    return os.environ.get(METRICS_ADDRESS_ENV) or "127.0.0.1"
+
+
+def events_path():
+    """The local file the chief appends events to, or None (`KFIT_PS_EVENTS`)."""
+    return os.environ.get(EVENTS_ENV) or None
+
+
+def diagnosis_interval():
+    return _float(DIAGNOSIS_INTERVAL_ENV, DEFAULT_DIAGNOSIS_INTERVAL)
+
+
+def monitor_enabled():
+    """Whether the chief monitors its job (`KFIT_PS_MONITOR`, on unless `0`)."""
+    return os.environ.get(MONITOR_ENV, "1").strip() != "0"

@@ -19,6 +19,7 @@ import pytest
 from tests import helpers
 
 SCRIPTS_AT_ONCE = 2
+ROOT_DOCS = os.path.join(helpers.ROOT, "docs")
 
 # name: (the script and its arguments, `{out}` standing for the module's output folder; timeout).
 SCRIPTS = {
@@ -40,6 +41,10 @@ SCRIPTS = {
                  "3000", "--json", "{out}/scaling.json", "--png", "{out}/scaling.png"], 900),
     "data_ledger": (["bench/data_ledger.py", "--repeats", "1", "--examples", "20000",
                      "--epochs", "2", "--kills", "2", "--json", "{out}/data_ledger.json"], 900),
+    "observability_overhead": (["bench/observability_overhead.py", "--repeats", "1", "--pairs",
+                                "1", "--steps", "10", "--rows", "3000", "--json",
+                                "{out}/observability.json"], 600),
+    "charts": (["bench/charts.py", "--out", "{out}/charts"], 300),
     "dynamic_embeddings_quality": (["bench/dynamic_embeddings.py", "--part", "quality",
                                     "--repeats", "1", "--json", "{out}/quality.json", "--rows",
                                     "3000", "--batch-size", "128"], 900),
@@ -65,6 +70,8 @@ def _scripts_of(item):
         "test_fit_phases_add_up_to_each_fit": ["fit_phases"],
         "test_exact_evaluation_counts_every_example_on_both_paths": ["exact_evaluation"],
         "test_long_run_and_scaling_report": ["long_run", "scaling"],
+        "test_observability_overhead_alternates_both_and_charts_draw": [
+            "observability_overhead", "charts"],
     }[item.originalname]
 
 
@@ -165,6 +172,21 @@ def test_embedding_scaling_runs_and_reports_all_four_figures(scripts):
     assert result["small"]["iterations"] == result["large"]["iterations"] == 30
     assert result["tf_keras"]["iterations"] == 30
     assert result["minimum_bytes_each_way"] > 0 and result["step_time_ratio"] > 0
+
+
+@pytest.mark.slow
+def test_observability_overhead_alternates_both_and_charts_draw(scripts):
+    proc = _succeeded(scripts, "observability_overhead")
+    assert "observed/unobserved: median" in proc.stdout
+    result = scripts.json("observability.json")
+    assert len(result["per_fit"]["observed"]) == len(result["per_fit"]["unobserved"]) == 1
+    assert result["observed/unobserved"]["median"] > 0
+    _succeeded(scripts, "charts")
+    with open(os.path.join(ROOT_DOCS, "benchmarks.json")) as f:
+        names = json.load(f)
+    for name in names:  # one chart per benchmark of docs/benchmarks.json
+        with open(os.path.join(scripts.out, "charts", f"{name}.png"), "rb") as f:
+            assert f.read(4) == b"\x89PNG"
 
 
 @pytest.mark.slow

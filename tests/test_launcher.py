@@ -133,6 +133,41 @@ def test_a_job_survives_sigkill_of_a_worker_a_ps_and_the_chief(tmp_path):
     assert "GRPC error information" not in output
     assert helpers.wait_for_no_servers(list(job.pids), timeout=15) == []
     assert job.left_running() == []
+    assert_event_log_tells_each_kill(job.run_dir / "events.jsonl", killed)
+
+
+def assert_event_log_tells_each_kill(path, killed):
+    """The job's event log lists each kill, then its restart and (after a ps or the chief)
+    the chief's resume from its backup, in order; the job starts and ends in it."""
+    from kfit_ps.observe import events
+
+    log = events.read(str(path))
+    kinds = [e["event"] for e in log]
+    assert kinds[0] == "start" and kinds[-1] == "done" and log[-1]["status"] == 0, kinds
+    position = 0
+
+    def next_event(predicate, what):
+        nonlocal position
+        for i in range(position, len(log)):
+            if predicate(log[i]):
+                position = i + 1
+                return log[i]
+        raise AssertionError(f"no {what} after event {position}: "
+                             + "\n".join(json.dumps(e) for e in log))
+
+    for victim, _, pid in killed:
+        lost = next_event(lambda e: e["event"] == "task_lost" and e["task"] == victim,
+                          f"loss of {victim}")
+        assert lost["status"] == -signal.SIGKILL, lost
+        if victim != "worker:1":
+            next_event(lambda e: e["event"] == "job_restart", "job restart")
+        back = next_event(lambda e: e["event"] == "restart" and e["task"] == victim,
+                          f"restart of {victim}")
+        assert back["pid"] != pid and back["cause"] == "killed", back
+        if victim != "worker:1":
+            next_event(lambda e: e["event"] == "resumed", "resume from the backup")
+    resumed = [e for e in log if e["event"] == "resumed"]
+    assert len(resumed) == 2, resumed  # after the ps and after the chief, not after the worker
 
 
 @pytest.mark.slow

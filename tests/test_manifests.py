@@ -192,15 +192,41 @@ def test_chief_pod_failure_policy_under_the_first_match_rule(case, exit_code, co
     assert first_matching_rule(rules, exit_code, conditions) == action, case
 
 
-def test_network_policy_admits_only_the_jobs_pods_on_the_server_port():
+def test_network_policy_admits_only_the_jobs_pods_on_the_server_port_and_a_scraper():
     [policy] = [obj for obj in render(job()) if obj["kind"] == "NetworkPolicy"]
     job_pods = {"matchLabels": {"kfit-ps/job": "ctr"}}
+    scraper = {"namespaceSelector": {},
+               "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
     assert policy["spec"]["podSelector"] == job_pods
     assert policy["spec"]["policyTypes"] == ["Ingress"]
-    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": job_pods}],
-                                          "ports": [{"protocol": "TCP", "port": 2222}]}]
+    assert policy["spec"]["ingress"] == [
+        {"from": [{"podSelector": job_pods}], "ports": [{"protocol": "TCP", "port": 2222}]},
+        {"from": [{"podSelector": job_pods}, scraper],
+         "ports": [{"protocol": "TCP", "port": 9400}]}]
     for obj, _ in pod_specs(render(job())):
         assert obj["spec"]["template"]["metadata"]["labels"]["kfit-ps/job"] == "ctr"
+
+
+def test_every_launcher_pod_is_scraped_on_its_status_port():
+    scraped = 0
+    for obj, _ in pod_specs(render(job(status_port=9500,
+                                       evaluator_command=("kfit-ps", "evaluator")))):
+        template = obj["spec"]["template"]
+        [container] = template["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["KFIT_PS_JOB"] == "ctr"  # the `job` label of every metric
+        if container["command"][:2] != ["kfit-ps", "run"]:
+            assert "annotations" not in template["metadata"]  # the evaluator: no launcher
+            continue
+        assert template["metadata"]["annotations"] == {
+            "prometheus.io/scrape": "true", "prometheus.io/port": "9500",
+            "prometheus.io/path": "/metrics"}
+        command = container["command"]
+        assert command[command.index("--status-port") + 1] == "9500"
+        assert command[command.index("--status-address") + 1] == "0.0.0.0"
+        assert {"name": "metrics", "containerPort": 9500} in container["ports"]
+        scraped += 1
+    assert scraped == 3  # the chief, the workers' and the ps' StatefulSets
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
@@ -208,6 +234,7 @@ def test_network_policy_admits_only_the_jobs_pods_on_the_server_port():
     (dict(command=()), "the chief needs a command"),
     (dict(num_ps=0), "`num_ps` must be a positive integer"),
     (dict(image=""), "`image` is required"),
+    (dict(status_port=2221), "`status_port` and the next port"),
 ])
 def test_config_errors(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment.replace("`", ".")):

@@ -15,13 +15,15 @@ PACKAGE = pathlib.Path(kfit_ps.__file__).parent
 
 # Which kfit_ps layers each layer may import. Layers point one way: cli -> launch and jobs ->
 # cluster and training -> strategy -> _tf_compat; the leaves below may be used by any layer.
+# `observe` (metrics, events, diagnosis; no TensorFlow) serves the launcher and the chief.
 LEAVES = {"constants", "validation", "net", "errors"}
 ALLOWED = {
     "cli": {"launch", "cluster", "training", "strategy", "jobs", "_tf_compat"} | LEAVES,
-    "launch": {"launch", "cluster", "_tf_log_filter"} | LEAVES,
+    "launch": {"launch", "cluster", "_tf_log_filter", "observe"} | LEAVES,
     "jobs": {"cluster", "training", "strategy", "data"} | LEAVES,
     "data": set(),
-    "training": {"strategy", "_tf_compat", "training", "embeddings", "ledger"} | LEAVES,
+    "training": {"strategy", "_tf_compat", "training", "embeddings", "ledger", "observe"}
+    | LEAVES,
     "cluster": {"cluster", "_tf_compat"} | LEAVES,
     "strategy": {"_tf_compat", "strategy"} | LEAVES,
     "_tf_compat": {"_tf_compat"},
@@ -36,6 +38,7 @@ ALLOWED = {
     "embeddings": {"embeddings", "strategy", "_tf_compat"} | LEAVES,
     "partitioners": set(),
     "ledger": {"ledger", "_tf_compat"} | LEAVES,
+    "observe": {"observe"} | LEAVES,
 }
 
 

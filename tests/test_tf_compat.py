@@ -436,3 +436,30 @@ def test_optimizer_internals_of_the_sparse_updates_still_exist():
         averaged.apply([tf.ones((2, 2))], [kernel])
     assert averaged.use_ema
     np.testing.assert_array_equal(average.numpy(), np.zeros((2, 2)))  # Not updated by Keras.
+
+
+def test_observed_closures_report_the_worker_that_finished_each_function(strategy):
+    """`observe_closures` wraps TensorFlow's per-worker closure processing: every scheduled
+    function is reported once, with its worker and its result, after it finished."""
+    from tensorflow.python.distribute.coordinator import cluster_coordinator, remote_value
+
+    assert hasattr(cluster_coordinator.Worker, "_process_closure")
+    assert remote_value.RemoteValueStatus.READY
+    seen = []
+    observe = lambda index, value, seconds: seen.append((index, value, seconds))  # noqa: E731
+    coordinator = strategy.coordinator
+    _tf_compat.observe_closures(coordinator, observe)
+    _tf_compat.observe_closures(coordinator, observe)  # idempotent: reported once
+
+    @tf.function
+    def add(x):
+        return x + 1
+
+    results = [coordinator.schedule(add, args=(tf.constant(i),)) for i in range(20)]
+    coordinator.join()
+    assert sorted(int(r.fetch()) for r in results) == list(range(1, 21))
+    mine = [s for s in seen if any(s[1] is r for r in results)]
+    assert len(mine) == 20
+    assert {index for index, _, _ in mine} <= {0, 1}
+    assert all(seconds >= 0 for _, _, seconds in mine)
+    _tf_compat.observe_closures(coordinator, lambda *args: None)  # leave the shared one quiet

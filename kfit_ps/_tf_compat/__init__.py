@@ -10,6 +10,7 @@ one place, with a clear message.
 
 from kfit_ps._tf_compat.versions import SUPPORTED, check_versions
 from kfit_ps._tf_compat.autograph_files import remove_autograph_files
+from kfit_ps._tf_compat.closure_hook import observe_closures
 from kfit_ps._tf_compat.eager_context import (
     forget_servers,
     track_coordinator,
@@ -57,6 +58,7 @@ from kfit_ps._tf_compat.keras_trainer import (
 )
 
 __all__ = [
+    "observe_closures",
     "CachedReadScope",
     "LocalStateScope",
     "SUPPORTED",

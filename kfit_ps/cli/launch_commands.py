@@ -83,10 +83,38 @@ def cmd_run(args, parser):
                               run_dir=args.run_dir, tasks=tasks, backoff=args.backoff,
                               max_backoff=args.max_backoff, grace=args.grace,
                               healthy_period=args.healthy_period,
-                              liveness_timeout=args.liveness_timeout)
+                              liveness_timeout=args.liveness_timeout,
+                              status_port=args.status_port,
+                              status_address=args.status_address)
     except ValueError as e:
         parser.error(str(e))
     return Supervisor(config).run()
+
+
+def cmd_status(args, parser):
+    from kfit_ps.launch import status_report
+
+    if (args.run_dir is None) == (args.url is None):
+        flag_error(parser, "--run-dir/--url", "both" if args.run_dir else "neither",
+                   "pass one: the run directory `kfit-ps run` printed, or its status page's "
+                   "address.")
+    try:
+        url = args.url or status_report.status_url(args.run_dir)
+        status = status_report.fetch(url)
+    except status_report.StatusUnavailable as e:
+        fallback = args.run_dir and status_report.from_events(args.run_dir)
+        if fallback:
+            print(fallback)
+            return 0
+        print(f"kfit-ps status: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        import json
+
+        print(json.dumps(status, indent=1))
+    else:
+        print(status_report.render(status, url, events=args.events))
+    return 0
 
 
 def _resources(parser, flag, text):
@@ -115,7 +143,7 @@ def cmd_manifests(args, parser):
             num_ps=args.ps, namespace=args.namespace, port=args.port, claim=args.claim,
             evaluator_command=shlex.split(args.evaluator) if args.evaluator else None,
             backup_dir=args.backup_dir, save_freq=args.save_freq,
-            max_restarts=args.max_restarts, grace=args.grace,
+            max_restarts=args.max_restarts, grace=args.grace, status_port=args.status_port,
             cpu=_resources(parser, "--cpu", args.cpu),
             memory=_resources(parser, "--memory", args.memory))
     except ValueError as e:
@@ -155,6 +183,14 @@ def add_parsers(sub):
                      help="backup frequency: 'epoch' or a number of steps (default epoch)")
     run.add_argument("--run-dir", default=None,
                      help="per-task logs and tasks.json (default: a new temporary directory)")
+    run.add_argument("--status-port", type=int,
+                     default=constants.env_int(constants.STATUS_PORT_ENV, 0),
+                     help="port of the status page and metrics (/, /status.json, /metrics); "
+                          "the chief's metrics take the next port (default "
+                          "$KFIT_PS_STATUS_PORT, else 0: free ports, printed at start)")
+    run.add_argument("--status-address", default="127.0.0.1",
+                     help="address the status page listens on (default 127.0.0.1: this "
+                          "machine only; 0.0.0.0 lets a scraper on another host in)")
     run.add_argument("--isolated", action="store_true",
                      help="run the job in a private network namespace (loopback only); the "
                           "script then cannot reach remote data or gs://")
@@ -164,6 +200,16 @@ def add_parsers(sub):
     run.add_argument("chief_command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                      help="the chief's command, e.g. -- python train.py")
     run.set_defaults(handler=cmd_run)
+
+    status = sub.add_parser(
+        "status", help="show a running job: tasks, restarts, speed, CPU, memory, events",
+        description="Reads the status page of a job's launcher (kfit-ps run) and prints it.")
+    status.add_argument("--run-dir", default=None, help="the job's run directory")
+    status.add_argument("--url", default=None,
+                        help="the status page's address, e.g. http://host:9400/")
+    status.add_argument("--events", type=int, default=8, help="recent events shown (default 8)")
+    status.add_argument("--json", action="store_true", help="print status.json as it is")
+    status.set_defaults(handler=cmd_status)
 
     manifests = sub.add_parser(
         "manifests", help="print the Kubernetes manifests of a job (YAML)",
@@ -188,6 +234,9 @@ def add_parsers(sub):
     manifests.add_argument("--evaluator", default=None,
                            help='the evaluator\'s command, e.g. "kfit-ps evaluator '
                                 '--checkpoint-dir /shared/ckpt --model-fn m:f --data-fn m:g"')
+    manifests.add_argument("--status-port", type=int, default=9400,
+                           help="each launcher's status page and metrics port, scraped by "
+                                "Prometheus (default 9400; the chief's own takes the next)")
     manifests.add_argument("--cpu", default="", help="CPU requests, e.g. worker=2,ps=1,chief=1")
     manifests.add_argument("--memory", default="", help="memory requests, e.g. ps=8Gi")
     manifests.add_argument("chief_command", nargs=argparse.REMAINDER, metavar="-- COMMAND",

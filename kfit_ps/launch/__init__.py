@@ -3,6 +3,20 @@
 from kfit_ps.launch.config import LaunchConfig
 from kfit_ps.launch.events import TaskExit
 from kfit_ps.launch.policy import Action, Decision, RestartPolicy
-from kfit_ps.launch.supervisor import Supervisor, run
+from kfit_ps.launch.supervisor import Supervisor
+
+
+def run(command=(), **kwargs):
+    """Runs `command` as the chief of a supervised job (`kfit-ps run`); returns its status.
+
+    ```python
+    status = kfit_ps.run(["python", "train.py"], num_workers=2, num_ps=1,
+                         backup_dir="/tmp/backup", save_freq=100)
+    ```
+
+    Keyword arguments are `LaunchConfig`'s.
+    """
+    return Supervisor(LaunchConfig(command=tuple(command), **kwargs)).run()
+
 
 __all__ = ["Action", "Decision", "LaunchConfig", "RestartPolicy", "Supervisor", "TaskExit", "run"]

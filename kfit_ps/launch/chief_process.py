@@ -85,8 +85,10 @@ class ChiefProcess:
             self._log.close()
 
 
-def environment(tf_config, backup_dir=None, save_freq="epoch", run_dir=None):
-    """The chief's environment: this process's, plus what the launcher tells it."""
+def environment(tf_config, backup_dir=None, save_freq="epoch", run_dir=None, metrics_port=None,
+                events=None):
+    """The chief's environment: this process's, plus what the launcher tells it (where to
+    serve its metrics and append its events)."""
     env = dict(os.environ)
     env[constants.TF_CONFIG] = tf_config
     env[constants.LAUNCHED_ENV] = "1"
@@ -97,4 +99,8 @@ def environment(tf_config, backup_dir=None, save_freq="epoch", run_dir=None):
         env[constants.BACKUP_FREQ_ENV] = str(save_freq)
     if run_dir:
         env[constants.RUN_DIR_ENV] = str(run_dir)
+    if metrics_port:
+        env[constants.METRICS_PORT_ENV] = str(metrics_port)
+    if events:
+        env[constants.EVENTS_ENV] = str(events)
     return env

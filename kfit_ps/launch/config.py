@@ -38,6 +38,13 @@ class LaunchConfig:
         liveness_timeout: seconds a server of this host may accept connections
             without answering (stopped, wedged) before it is killed and
             restarted; 0 turns the check off. Defaults to 60.
+        status_port: port of the status page and metrics (`/`, `/status.json`,
+            `/metrics`); 0 picks a free port (said at start and written to
+            `tasks.json`). The chief serves its own metrics on the next port
+            (on a free one with 0), on loopback. Defaults to 0.
+        status_address: address the status page listens on. Defaults to
+            "127.0.0.1" (this machine only); "0.0.0.0" lets a scraper in (the
+            Kubernetes manifests do, behind their NetworkPolicy).
     """
 
     command: tuple = ()
@@ -54,6 +61,8 @@ class LaunchConfig:
     grace: float = 20.0
     healthy_period: float = 600.0
     liveness_timeout: float = 60.0
+    status_port: int = 0
+    status_address: str = "127.0.0.1"
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -69,6 +78,12 @@ class LaunchConfig:
             set_("save_freq", validation.check_int(
                 "save_freq", self.save_freq, 1, owner="LaunchConfig",
                 hint="(--save-freq) Pass 'epoch' or a number of steps."))
+        set_("status_port", validation.check_int("status_port", self.status_port, 0,
+                                                 owner="LaunchConfig", hint="(--status-port)"))
+        if self.status_port > 65534:
+            raise ValueError("LaunchConfig: `status_port` must be a port below 65535 (the "
+                             f"chief takes the next one). Received: status_port="
+                             f"{self.status_port}. Pass 0 for a free port.")
         for name in ("backoff", "max_backoff", "ps_failure_grace", "grace", "healthy_period",
                      "liveness_timeout"):
             value = getattr(self, name)

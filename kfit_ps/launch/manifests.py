@@ -22,7 +22,15 @@ to write. `render(ManifestConfig(...))` returns the objects of one job:
 - a `PodDisruptionBudget` per server type: a drain takes at most one worker
   and one ps at a time;
 - a `NetworkPolicy` that admits traffic to the server port only from the
-  job's own pods (TensorFlow servers have no authentication).
+  job's own pods (TensorFlow servers have no authentication), and to the
+  status port only from the job's pods and a scraper (pods labelled
+  `scraper`, in any namespace: Prometheus by default).
+
+Each launcher serves its status page and metrics on `status_port` of the
+pod (`kfit-ps run --status-port`; on the chief's pod the chief's metrics
+too), and every pod that runs a launcher carries Prometheus' scrape
+annotations (`prometheus.io/scrape`, `/port`, `/path`). `KFIT_PS_JOB` is the
+job's name: the `job` label of every metric.
 
 Every pod gets the same cluster in `TF_CONFIG` and its own task, resource
 requests (`DEFAULT_REQUESTS` unless given), no service-account token, and a
@@ -80,6 +88,10 @@ class ManifestConfig:
             disruption is not counted). Defaults to 6.
         grace: the chief's `--grace`: seconds to save after SIGTERM. The chief
             pod's `terminationGracePeriodSeconds` is this plus 10. Defaults to 20.
+        status_port: each launcher's status page and metrics port (the chief's
+            own metrics take the next port, on loopback). Defaults to 9400.
+        scraper: labels of the pods allowed to scrape `status_port` (in any
+            namespace). Defaults to `{"app.kubernetes.io/name": "prometheus"}`.
         cpu, memory: resource requests per task type, e.g.
             `{"worker": "2", "ps": "1", "chief": "1"}`; a type not given gets
             `DEFAULT_REQUESTS`.
@@ -100,6 +112,9 @@ class ManifestConfig:
     max_restarts: int = 3
     backoff_limit: int = 6
     grace: int = 20
+    status_port: int = 9400
+    scraper: dict = dataclasses.field(
+        default_factory=lambda: {"app.kubernetes.io/name": "prometheus"})
     cpu: dict = dataclasses.field(default_factory=dict)
     memory: dict = dataclasses.field(default_factory=dict)
 
@@ -122,9 +137,15 @@ class ManifestConfig:
         if self.evaluator_command is not None:
             set_("evaluator_command", tuple(str(c) for c in self.evaluator_command))
         for field, minimum in (("num_workers", 1), ("num_ps", 1), ("port", 1),
-                               ("max_restarts", 0), ("backoff_limit", 0), ("grace", 0)):
+                               ("max_restarts", 0), ("backoff_limit", 0), ("grace", 0),
+                               ("status_port", 1)):
             set_(field, validation.check_int(field, getattr(self, field), minimum,
                                              owner="ManifestConfig"))
+        if self.status_port in (self.port, self.port - 1) or self.status_port > 65534:
+            raise ValueError(
+                "ManifestConfig: `status_port` and the next port (the chief's metrics) must "
+                f"differ from the servers' port={self.port} and be below 65535. Received: "
+                f"status_port={self.status_port}.")
         if self.backup_dir is None and self.claim:
             set_("backup_dir", f"{self.mount_path.rstrip('/')}/backup")
 
@@ -174,10 +195,21 @@ def _metadata(config, name, labels):
     return {"name": name, "namespace": config.namespace, "labels": labels}
 
 
+def _status_flags(config):
+    """A launcher's status page: on the pod's network, for the scraper."""
+    return ["--status-port", str(config.status_port), "--status-address", "0.0.0.0"]
+
+
+def _scrape_annotations(config):
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(config.status_port),
+            "prometheus.io/path": "/metrics"}
+
+
 def _container(config, task_type, env, command):
     container = {
         "name": task_type, "image": config.image, "command": list(command),
-        "env": env + [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "env": env + [{"name": "PYTHONUNBUFFERED", "value": "1"},
+                      {"name": "KFIT_PS_JOB", "value": config.name}],
         "resources": {"requests": config.requests(task_type)},
         "securityContext": {"allowPrivilegeEscalation": False,
                             "capabilities": {"drop": ["ALL"]}},
@@ -190,6 +222,9 @@ def _container(config, task_type, env, command):
         # whose port stays closed for a minute (a launcher that cannot start its server).
         container["livenessProbe"] = dict(probe, initialDelaySeconds=60, periodSeconds=10,
                                           failureThreshold=6)
+    if task_type != "evaluator":  # Pods of a launcher: its status page and metrics.
+        container.setdefault("ports", []).append(
+            {"name": "metrics", "containerPort": config.status_port})
     if config.claim:
         container["volumeMounts"] = [{"name": "shared", "mountPath": config.mount_path}]
     return container
@@ -222,14 +257,15 @@ def _servers(config, task_type, replicas):
                "fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}},
            {"name": "TF_CONFIG", "value": config.tf_config(task_type, f"$({INDEX_ENV})")}]
     command = ["kfit-ps", "run", "--tasks", f"{task_type}:$({INDEX_ENV})",
-               "--max-restarts", str(config.max_restarts)]
+               "--max-restarts", str(config.max_restarts), *_status_flags(config)]
     container = _container(config, task_type, env, command)
     return {"apiVersion": "apps/v1", "kind": "StatefulSet",
             "metadata": _metadata(config, config.service_name(task_type), labels),
             "spec": {"replicas": replicas, "serviceName": config.service_name(task_type),
                      "podManagementPolicy": "Parallel",
                      "selector": {"matchLabels": labels},
-                     "template": {"metadata": {"labels": labels},
+                     "template": {"metadata": {"labels": labels,
+                                               "annotations": _scrape_annotations(config)},
                                   "spec": _pod_spec(config, container, "Always")}}}
 
 
@@ -238,8 +274,11 @@ def _job(config, task_type, command, chief):
     env = [{"name": "TF_CONFIG", "value": config.tf_config(task_type, 0)}]
     container = _container(config, task_type, env, command)
     pod = _pod_spec(config, container, "Never" if chief else "OnFailure")
+    metadata = {"labels": labels}
+    if chief:
+        metadata["annotations"] = _scrape_annotations(config)
     spec = {"backoffLimit": config.backoff_limit,
-            "template": {"metadata": {"labels": labels}, "spec": pod}}
+            "template": {"metadata": metadata, "spec": pod}}
     if chief:
         pod["terminationGracePeriodSeconds"] = config.grace + _SHUTDOWN_MARGIN
         spec["podReplacementPolicy"] = "Failed"
@@ -262,7 +301,13 @@ def _network_policy(config):
             "metadata": _metadata(config, f"{config.name}-servers", _labels(config)),
             "spec": {"podSelector": job_pods, "policyTypes": ["Ingress"],
                      "ingress": [{"from": [{"podSelector": job_pods}],
-                                  "ports": [{"protocol": "TCP", "port": config.port}]}]}}
+                                  "ports": [{"protocol": "TCP", "port": config.port}]},
+                                 {"from": [{"podSelector": job_pods},
+                                           {"namespaceSelector": {},
+                                            "podSelector": {"matchLabels": dict(
+                                                config.scraper)}}],
+                                  "ports": [{"protocol": "TCP",
+                                             "port": config.status_port}]}]}}
 
 
 def render(config):
@@ -273,7 +318,7 @@ def render(config):
         objects.append(_service(config, "evaluator"))
     objects += [_servers(config, t, counts[t]) for t in SERVER_TYPES]
     chief = ["kfit-ps", "run", "--tasks", "chief:0", "--max-restarts", str(config.max_restarts),
-             "--grace", str(config.grace)]
+             "--grace", str(config.grace), *_status_flags(config)]
     if config.backup_dir:
         chief += ["--backup-dir", config.backup_dir, "--save-freq", str(config.save_freq)]
     objects.append(_job(config, "chief", chief + ["--", *config.command], chief=True))

@@ -22,13 +22,13 @@ decision; this module only carries it out:
   backups belong to the whole script (each `fit` keeps its final state there,
   so a rerun skips the `fit`s that completed), not to one `fit`.
 
-`run_dir/tasks.json` always lists the current process of each task. The exit
+`run_dir/tasks.json` always lists the current process of each task and the
+status page's address; `run_dir/events.jsonl` is the event log (`job_view`). The exit
 status (`kfit_ps.exit_status`) is the chief's when it finished or failed,
 `RESTARTS_EXHAUSTED` when a task failed more often than allowed, 128 + the
 signal when stopped by one.
 """
 
-import json
 import os
 import signal
 import sys
@@ -43,6 +43,7 @@ from kfit_ps.cluster.spec import ClusterConfig
 from kfit_ps.launch import chief_process
 from kfit_ps.launch.chief_watch import ChiefWatch
 from kfit_ps.launch.events import TaskExit
+from kfit_ps.launch.job_view import JobView
 from kfit_ps.launch.liveness import LivenessWatch
 from kfit_ps.launch.policy import Action, RestartPolicy
 
@@ -82,6 +83,7 @@ class Supervisor:
         self._chief_due = False  # a job restart waits for its servers before its chief
         self._chief_watch = None  # a host of ps tasks without the chief watches it
         self._liveness = LivenessWatch(config.liveness_timeout)
+        self.view = None  # Metrics, events, the status page: from the start of the run.
 
     def say(self, message):
         print(f"kfit-ps run: {message}", file=self.out, flush=True)
@@ -91,17 +93,21 @@ class Supervisor:
     def run(self):
         """Starts the job and supervises it; returns its exit status."""
         previous = self._catch_stop_signals()
+        status = None
         try:
-            self._start()
-            return self._loop()
+            self._interruptible(self._start_all)
+            status = self._loop()
         except _StopRequested:  # While servers were starting: the chief may be running.
-            return self._stop_on_signal(self._stop_signal)
+            status = self._stop_on_signal(self._stop_signal)
         except _Failed as e:
-            return e.status
+            status = e.status
         finally:
             self._shutdown()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+            if self.view is not None:
+                self.view.finish(status)
+        return status
 
     def _catch_stop_signals(self):
         if threading.current_thread() is not threading.main_thread():
@@ -127,12 +133,10 @@ class Supervisor:
         finally:
             self._busy = False
 
-    def _start(self):
-        self._interruptible(self._start_all)
-
     def _start_all(self):
         os.makedirs(self.run_dir, exist_ok=True)
         self.say(f"{self.config!r}; logs in {self.run_dir}")
+        self.view = JobView.open(self.config, self.run_dir, self.say)
         if self.config.runs_chief and not self.config.backup_dir:
             self.say("no --backup-dir: if the chief or a ps is lost, the job starts over from "
                      "the beginning (unless the script uses kfit_ps.callbacks.BackupAndRestore)")
@@ -160,6 +164,7 @@ class Supervisor:
             try:
                 self.cluster.start()  # On failure it stops every server it started.
                 self.say(f"servers ready: {self.cluster.config!r}")
+                self._servers_started()
                 return
             except ServerNotReady as e:
                 decision = self.policy.not_ready(e.task, str(e))
@@ -167,6 +172,10 @@ class Supervisor:
             if decision.action is Action.FAIL:
                 raise _Failed(decision.exit_status)
             time.sleep(decision.delay)  # A stop signal ends the wait (_StopRequested).
+
+    def _servers_started(self):
+        for task_type, index in self.cluster.server_tasks():
+            self.view.started_task(f"{task_type}:{index}", self.cluster.pid(task_type, index))
 
     def _make_cluster(self):
         if self.config.tasks is None:
@@ -184,9 +193,12 @@ class Supervisor:
         else:
             tf_config = ClusterConfig.from_tf_config().to_tf_config(constants.CHIEF, 0)
         env = chief_process.environment(tf_config, self.config.backup_dir,
-                                        self.config.save_freq, self.run_dir)
+                                        self.config.save_freq, self.run_dir,
+                                        metrics_port=self.view.chief_metrics_port,
+                                        events=self.view.events_path)
         self.chief = chief_process.ChiefProcess(
             self.config.command, env, os.path.join(self.run_dir, "chief-0.log"), out=self.out)
+        self.view.started_task(CHIEF, self.chief.pid)
         self._server_lost, self._ps_lost_at = False, None
 
     # Supervision ----------------------------------------------------------------------------
@@ -197,6 +209,7 @@ class Supervisor:
                 return self._stop_on_signal(self._stop_signal)
             event = self._next_exit()
             if event is None:
+                self.view.tick()
                 self._stop_chief_if_ps_grace_passed()
                 self._restart_what_is_due()
                 self._start_chief_once_servers_serve()
@@ -206,6 +219,7 @@ class Supervisor:
                 continue
             decision = self.policy.decide(event, server_lost=self._server_lost)
             self.say(decision.reason)
+            self.view.record_exit(event, decision)
             if decision.action is Action.FINISH:
                 self._remove_backups()
             if decision.action in (Action.FINISH, Action.FAIL):
@@ -220,6 +234,8 @@ class Supervisor:
     def _stop_on_signal(self, signum):
         """SIGTERM: the chief saves and stops within `grace`; then everything stops."""
         name = signal.Signals(signum).name
+        if self.view is not None:
+            self.view.emit("stop", None, f"{name} received", signal=name)
         chief_running = self.chief is not None and self.chief.poll() is None
         if signum == signal.SIGTERM and chief_running:
             self.say(f"{name} received: the chief finishes its steps in flight and writes a "
@@ -283,6 +299,7 @@ class Supervisor:
         try:
             self._interruptible(self.cluster.restart, task_type, int(index))
             news = f"{task} is back (pid {self.cluster.pid(task_type, int(index))})"
+            self.view.started_task(task, self.cluster.pid(task_type, int(index)))
         except ServerNotReady as e:
             news = self._not_ready(e)
         except RuntimeError as e:  # It exited while starting: its exit is the next event.
@@ -301,6 +318,7 @@ class Supervisor:
             task = f"{task_type}:{index}"
             if task_type == constants.PS and task not in self._due:
                 self._seen.add((task, self.cluster.pid(task_type, index)))
+                self.view.restart_is_due(task, "chief_gone")
                 self.cluster.kill(task_type, index)  # (returns at once if it already ended)
                 self._restart_server(task)
 
@@ -316,12 +334,14 @@ class Supervisor:
             self.say(f"{task} accepts connections but has not answered for "
                      f"{self._liveness.timeout:g} s (--liveness-timeout): killing it")
             task_type, index = task.split(":")
+            self.view.restart_is_due(task, "wedged")
             self.cluster.kill(task_type, int(index))
 
     def _not_ready(self, error):
         """Kills a server that runs but does not serve; its restart is due after a back-off."""
         task_type, index = error.task.split(":")
         self._seen.add((error.task, self.cluster.pid(task_type, int(index))))
+        self.view.restart_is_due(error.task, "not_ready")
         self.cluster.kill(task_type, int(index))
         decision = self.policy.not_ready(error.task, str(error))
         if decision.action is Action.FAIL:
@@ -339,6 +359,7 @@ class Supervisor:
         if self.cluster is not None:
             try:
                 self._interruptible(self.cluster.restart_all)
+                self._servers_started()
             except ServerNotReady as e:
                 self.say(self._not_ready(e))
             except RuntimeError as e:  # It exited while starting: its exit is the next event.
@@ -365,10 +386,7 @@ class Supervisor:
                 tasks[f"{task_type}:{index}"] = self.cluster.pid(task_type, index)
         if self.chief is not None:
             tasks[CHIEF] = self.chief.pid
-        text = json.dumps({"supervisor": os.getpid(), "tasks": tasks,
-                           "restarts": dict(self.policy.failures)})
-        with open(os.path.join(self.run_dir, "tasks.json"), "w") as f:
-            f.write(text)  # One write: a reader may still see it empty for a moment; retry.
+        self.view.write_tasks(tasks, dict(self.policy.failures))
 
     def _shutdown(self):
         if self.chief is not None:
@@ -377,17 +395,3 @@ class Supervisor:
         if self.cluster is not None:
             self.cluster.stop()
 
-
-def run(command=(), **kwargs):
-    """Runs `command` as the chief of a supervised job (`kfit-ps run`); returns its status.
-
-    ```python
-    status = kfit_ps.run(["python", "train.py"], num_workers=2, num_ps=1,
-                         backup_dir="/tmp/backup", save_freq=100)
-    ```
-
-    Keyword arguments are `LaunchConfig`'s.
-    """
-    from kfit_ps.launch.config import LaunchConfig
-
-    return Supervisor(LaunchConfig(command=tuple(command), **kwargs)).run()

@@ -60,6 +60,14 @@ class EpochReport:
         """At most this many examples had their updates applied more than once."""
         return sum(r.examples * (r.starts - 1) for r in self.reruns)
 
+    def summary(self):
+        """One line for the user when a split re-ran or was lost, else ""."""
+        if not (self.reruns or self.lost):
+            return ""
+        return (f"kfit_ps: epoch {self.epoch + 1}: {len(self.reruns)} split(s) re-run after a "
+                f"worker loss (at most {self.examples_rerun} examples trained twice), "
+                f"{self.lost} lost; every other split trained exactly once.")
+
     def logs(self):
         """The report as epoch logs (History, TensorBoard)."""
         return {"ledger_splits": float(self.splits),

@@ -152,10 +152,10 @@ def dataset_source(dataset, arg, build=None):
               "example once, reading each batch by its index on the worker that trains it.")
     if cardinality == tf.data.INFINITE_CARDINALITY:
         raise ValueError(
-            f"`steps_per_epoch` is required for an infinite dataset (it repeats): workers read "
-            f"their own datasets, so the end of the data does not end the epoch. Received: "
-            f"steps_per_epoch=None. Pass e.g. steps_per_epoch=100, or remove `.repeat()` to "
-            f"train one pass per epoch.")
+            "`steps_per_epoch` is required for an infinite dataset (it repeats): workers read "
+            "their own datasets, so the end of the data does not end the epoch. Received: "
+            "steps_per_epoch=None. Pass e.g. steps_per_epoch=100, or remove `.repeat()` to "
+            "train one pass per epoch.")
     if cardinality == tf.data.UNKNOWN_CARDINALITY:
         raise ValueError(
             f"{prefix} TensorFlow does not know how many batches `{arg}` has (a `filter`, a "

@@ -22,6 +22,7 @@ import itertools
 import tensorflow as tf
 
 from kfit_ps.training import cluster_health, functions, inputs, metric_state
+from kfit_ps.training.monitor import job_monitor
 from kfit_ps.training.scheduling import (metric_logs, per_worker_dataset,
                                          per_worker_iterator, quiet_options_warning,
                                          schedule_steps)
@@ -64,6 +65,9 @@ class Evaluation:
             fns.metric_state, fetch=cluster_health.result_fetcher(strategy))
         model.reset_metrics()
         callbacks.on_test_begin()
+        monitor = job_monitor()
+        monitor.watch(strategy)
+        monitor.evaluation_begin()
         last = -1
         if self.sharded:
             if self._dataset is None:
@@ -73,8 +77,10 @@ class Evaluation:
             for shard in range(self.num_shards):
                 callbacks.on_test_batch_begin(shard)
                 with quiet_options_warning():  # The first call traces the function.
-                    accumulator.add(coordinator.schedule(
-                        shard_fn, args=(self._dataset, tf.constant(shard, tf.int64))))
+                    result = coordinator.schedule(
+                        shard_fn, args=(self._dataset, tf.constant(shard, tf.int64)))
+                monitor.expect(result, 1, phase="eval")
+                accumulator.add(result)
                 if shard < self.num_shards - 1:
                     callbacks.on_test_batch_end(shard, {})
             last = self.num_shards - 1
@@ -83,13 +89,16 @@ class Evaluation:
                 self._iterator = per_worker_iterator(strategy, self.input)
             schedule_steps(coordinator, 0, self.steps, model.steps_per_execution, fns.test,
                            (self._iterator,), callbacks.on_test_batch_begin,
-                           callbacks.on_test_batch_end, accumulator)
+                           callbacks.on_test_batch_end, accumulator,
+                           observe=lambda value, n: monitor.expect(value, n, phase="eval"))
             last = self.steps - 1
         else:
             step_fn = fns.test_batch()
             for step, batch in enumerate(itertools.islice(self.input.dataset, self.steps)):
                 callbacks.on_test_batch_begin(step)
-                accumulator.add(coordinator.schedule(step_fn, args=(batch,)))
+                result = coordinator.schedule(step_fn, args=(batch,))
+                monitor.expect(result, 1, phase="eval")
+                accumulator.add(result)
                 callbacks.on_test_batch_end(step, {})
         cluster_health.join(strategy)
         accumulator.commit()
@@ -97,4 +106,6 @@ class Evaluation:
         if last >= 0:  # Worker-read input: the last batch end comes after the join.
             callbacks.on_test_batch_end(last, dict(logs))
         callbacks.on_test_end(logs)
+        monitor.event("evaluation", "chief:0", "an evaluation ended",
+                      logs={k: v for k, v in logs.items() if isinstance(v, float)})
         return logs

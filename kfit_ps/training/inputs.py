@@ -292,3 +292,12 @@ def check_steps(name, value, required_because=None):
         return None
     return validation.check_int(name, value, 1,
                                 hint=f"Pass the number of batches, e.g. {name}=100.")
+
+
+def static_batch_size(adapted):
+    """Examples per step of an adapted input when its batch dimension is static, else None."""
+    for spec in tf.nest.flatten(adapted.element_spec):
+        shape = getattr(spec, "shape", None)
+        if shape is not None and shape.rank and shape[0] is not None:
+            return int(shape[0])
+    return None

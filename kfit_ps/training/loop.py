@@ -45,6 +45,7 @@ from kfit_ps.errors import Preempted, is_cluster_failure
 from kfit_ps.strategy import is_kfit_strategy
 from kfit_ps.training import (cluster_health, functions, inputs, metric_state, moving_averages,
                               preemption, sharded_updates)
+from kfit_ps.training.monitor import job_monitor, table_rows
 from kfit_ps.training.evaluation import Evaluation
 from kfit_ps.training.scheduling import metric_logs, per_worker_iterator, schedule_steps
 from kfit_ps.training.callbacks.backup_and_restore import with_launcher_backup
@@ -206,8 +207,11 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                       ledger.state() if ledger is not None else None)
     progress = Progress(verbose, epochs, steps_per_epoch)
     iterations = model.optimizer.iterations if model.optimizer is not None else None
+    monitor = job_monitor()
+    observe = functools.partial(monitor.expect, examples=inputs.static_batch_size(train_input))
 
     try:
+        monitor.fit_begin(strategy, epochs, steps_per_epoch)
         model.stop_training = False
         callbacks.on_train_begin()
         initial_epoch = _tf_compat.initial_epoch_override(model) or initial_epoch
@@ -215,6 +219,9 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
         resume = sync.resume_position()
         if resume is not None:
             initial_epoch, first_step = resume
+            monitor.event("resumed", "chief:0", f"fit resumed from a backup at epoch "
+                          f"{initial_epoch + 1}, step {first_step}", epoch=initial_epoch,
+                          step=first_step)
             if ledger is not None and initial_epoch < epochs:
                 _tf_compat.print_msg(
                     f"kfit_ps: resuming one-pass epoch {initial_epoch + 1} at batch "
@@ -245,7 +252,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                     sizes = schedule_steps(
                         coordinator, step, stop, model.steps_per_execution, train, args,
                         callbacks.on_train_batch_begin, callbacks.on_train_batch_end, accumulator,
-                        should_stop=preemption.requested)
+                        should_stop=preemption.requested, observe=observe)
                     # On SIGTERM, functions no worker started are dropped: the newest ones.
                     cancelled = cluster_health.join(strategy, cancel_when=preemption.requested)
                     accumulator.discard_newest(cancelled)
@@ -268,18 +275,26 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
             progress.epoch_end(logs)
             logs.update(embeddings.epoch_stats(model))  # Dynamic tables: rows, admitted, evicted.
             if ledger is not None and step >= steps_per_epoch:
-                logs.update(_ledger_logs(ledger, verbose))
+                report = ledger.end_epoch()
+                if verbose and report.summary():  # Said aloud when a split re-ran.
+                    _tf_compat.print_msg(report.summary())
+                logs.update(report.logs())
+            monitor.epoch_end(epoch, logs)
+            monitor.tables(table_rows(model))
             callbacks.on_epoch_end(epoch, logs)
             if model.stop_training:
                 break
         if epochs > initial_epoch:  # As Keras: the moving averages become the weights.
             moving_averages.finalize(model.optimizer)
         callbacks.on_train_end(logs)
+        monitor.event("done", "chief:0", "fit ended", status=0)
         return model.history
     except Exception as e:
         if not (is_cluster_failure(e) or cluster_health.is_ps_loss(e)):
             sync.failed(e)  # The program failed: no restart resumes this training.
         raise
+    finally:
+        monitor.fit_end()
 
 
 def _one_pass_ledger(model, strategy, source):
@@ -287,17 +302,6 @@ def _one_pass_ledger(model, strategy, source):
     ledger = data_ledger.Ledger(source, strategy, model.steps_per_execution)
     model._kfit_ps_ledger = ledger  # noqa: SLF001 - kfit_ps' own attribute on the model
     return ledger
-
-
-def _ledger_logs(ledger, verbose):
-    """The ledger's report of the epoch just ended, as logs; said aloud when a split re-ran."""
-    report = ledger.end_epoch()
-    if verbose and (report.reruns or report.lost):
-        _tf_compat.print_msg(
-            f"kfit_ps: epoch {report.epoch + 1}: {len(report.reruns)} split(s) re-run after a "
-            f"worker loss (at most {report.examples_rerun} examples trained twice), "
-            f"{report.lost} lost; every other split trained exactly once.")
-    return report.logs()
 
 
 def _stop_preempted(sync, epoch, step, logs, steps_per_epoch):

@@ -45,8 +45,8 @@ def without_autotune_sleep(dataset):
     first: the destructor waits out the thread's sleep, which doubles up to
     60 s as the pipeline runs. A worker destroys the previous `fit`'s
     iterator on a request thread that holds its table of remote tensors, so
-    the worker takes no step for up to a minute (docs/benchmarks.md, "Why the
-    stall lasts"). Without autotuning, `AUTOTUNE` parallelism is the size of
+    the worker takes no step for up to a minute (docs/performance.md, "The
+    stall between fits"). Without autotuning, `AUTOTUNE` parallelism is the size of
     the pipeline's thread pool and `prefetch(AUTOTUNE)` grows its buffer on
     demand, as fast on the DLRM job. A dataset that sets
     `options.autotune.enabled` keeps its choice.
@@ -132,22 +132,26 @@ def metric_logs(model):
 
 
 def schedule_steps(coordinator, start, stop, k, function_for, args, on_begin, on_end,
-                   accumulator, should_stop=lambda: False):
+                   accumulator, should_stop=lambda: False, observe=None):
     """Schedules steps `start..stop-1` in functions of at most `k` steps.
 
     `args`: the functions' arguments, or a function of the first step that
     returns them. Batch hooks: begin(first step), end(last step) per function, except the
     final end, which the caller makes after synchronising. Each function's
     returned metric state goes to `accumulator`. When `should_stop()` turns
-    true, nothing more is scheduled. Returns the number of steps of each
-    function scheduled, in order.
+    true, nothing more is scheduled. `observe(remote_value, steps)`, when
+    given, hears of each function scheduled (`monitor.JobMonitor.expect`).
+    Returns the number of steps of each function scheduled, in order.
     """
     step, sizes = start, []
     while step < stop and not should_stop():
         n = min(k, stop - step)
         on_begin(step)
         call_args = args(step) if callable(args) else args
-        accumulator.add(coordinator.schedule(function_for(n), args=call_args))
+        remote_value = coordinator.schedule(function_for(n), args=call_args)
+        if observe is not None:
+            observe(remote_value, n)
+        accumulator.add(remote_value)
         sizes.append(n)
         step += n
         if step < stop:

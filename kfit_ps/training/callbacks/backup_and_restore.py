@@ -11,6 +11,7 @@ import tensorflow as tf
 from kfit_ps import constants, validation
 from kfit_ps.training import checkpoint_files
 from kfit_ps.training.callbacks.base import SyncCallback, sync_every_from
+from kfit_ps.training.monitor import job_monitor
 
 log = logging.getLogger("kfit_ps.callbacks")
 
@@ -225,10 +226,12 @@ class BackupAndRestore(SyncCallback):
         tf.io.gfile.makedirs(self.backup_dir)
         self._sequence += 1
         path = self._path(self._sequence)
-        self.model.save_weights(path, overwrite=True)
-        checkpoint_files.publish(path, checkpoint_files.training_step(self.model), epoch, step,
-                                 fit=self.fit_id, history=self._history,
-                                 ledger=self.ledger_state)
+        iteration = checkpoint_files.training_step(self.model)
+        with job_monitor().timed("backup", f"backup of step {iteration} written to {path}",
+                                 step=iteration, epoch=epoch, batch=step):
+            self.model.save_weights(path, overwrite=True)
+            checkpoint_files.publish(path, iteration, epoch, step, fit=self.fit_id,
+                                     history=self._history, ledger=self.ledger_state)
         self._remove_backups_before(self._sequence)  # Only now that a newer one is complete.
 
     def _remove_backups_before(self, sequence):

@@ -6,6 +6,7 @@ import tensorflow as tf
 from kfit_ps import _tf_compat, validation
 from kfit_ps.training import checkpoint_files
 from kfit_ps.training.callbacks.base import SyncCallback, sync_every_from
+from kfit_ps.training.monitor import job_monitor
 
 
 class ModelCheckpoint(SyncCallback):
@@ -115,12 +116,13 @@ class ModelCheckpoint(SyncCallback):
             return
         tf.io.gfile.makedirs(checkpoint_files.dirname(path))
         checkpoint_files.unpublish(path)  # A reader must not match the old marker to new bytes.
-        if self.save_weights_only:
-            self.model.save_weights(path, overwrite=True)
-        else:
-            self.model.save(path, overwrite=True)
-        checkpoint_files.publish(path, checkpoint_files.training_step(self.model), epoch, step,
-                                 ledger=self.ledger_state)
+        with job_monitor().timed("checkpoint", f"checkpoint written to {path}", path=path):
+            if self.save_weights_only:
+                self.model.save_weights(path, overwrite=True)
+            else:
+                self.model.save(path, overwrite=True)
+            checkpoint_files.publish(path, checkpoint_files.training_step(self.model), epoch,
+                                     step, ledger=self.ledger_state)
         self.last_saved = path
         if self.verbose:
             _tf_compat.print_msg(f"\nEpoch {epoch + 1}: saved {path}")

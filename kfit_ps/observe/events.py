@@ -1,0 +1,99 @@
+"""The event log of a job: one JSON object per line, appended by the launcher and the chief.
+
+Each event has `time` (seconds since the epoch), `event` (a kind of
+`KINDS`), `task` (`"worker:1"`, or null for the whole job), `reason` (a
+sentence) and the kind's own fields. Event kinds are a contract with whoever
+reads the log: this table defines them, `docs/observability.md` prints it.
+
+Under `kfit-ps run` the log is `events.jsonl` in the run directory; the
+launcher passes its path to the chief (`KFIT_PS_EVENTS`). Both append to it:
+each event is one `write` of one line to a file opened with `O_APPEND`, which
+POSIX applies whole at the end of a local file, so lines of the two writers
+never mix. (This is the one file kfit_ps writes outside `tf.io.gfile`: an
+append-only log shared by two processes needs that guarantee, and the run
+directory is local.) A plain script logs events only when it sets
+`KFIT_PS_EVENTS` itself.
+"""
+
+import json
+import os
+import threading
+import time
+
+from kfit_ps import constants
+
+KINDS = {
+    "start": "the launcher started the job (`tasks`: the tasks of this host)",
+    "task_lost": "a task's process ended (`status`: its exit status, negative for a signal)",
+    "task_done": "a task's process finished its work (status 0)",
+    "restart": "a task was started again (`pid`)",
+    "ps_lost": "a ps was lost: the chief's fit stops and the job restarts",
+    "job_restart": "every task of this host is restarted; the chief resumes from its backup",
+    "fit_begin": "a fit began (`epochs`, `steps_per_epoch`)",
+    "resumed": "fit resumed from a backup (`epoch`, `step`)",
+    "backup": "a backup was written (`seconds`, `step`)",
+    "checkpoint": "a checkpoint was written (`seconds`, `path`)",
+    "epoch": "an epoch ended (`epoch`, `logs`: its metrics)",
+    "evaluation": "an evaluation ended (`logs`)",
+    "straggler": "a worker is named a straggler (`steps_per_second`, `others`)",
+    "straggler_cleared": "a straggler keeps pace again",
+    "hot_ps": "a ps is named hot (`cpu_cores`, `quota_cores`, `others`)",
+    "hot_ps_cleared": "a hot ps is no longer hot",
+    "stop": "the launcher received a stop signal (`signal`)",
+    "done": "the job or the fit ended (`status`)",
+}
+
+
+class EventLog:
+    """Appends events to `path`; `emit` never raises (an event log must not stop a job)."""
+
+    def __init__(self, path, source):
+        self.path = path
+        self.source = source  # "launcher" or "chief"
+        self._lock = threading.Lock()
+
+    def emit(self, kind, task=None, reason="", **fields):
+        if kind not in KINDS:
+            raise ValueError(f"Unknown event kind {kind!r}; the kinds are {sorted(KINDS)}.")
+        event = {"time": round(time.time(), 3), "event": kind, "task": task, "reason": reason,
+                 "source": self.source}
+        event.update(fields)
+        line = (json.dumps(event, default=_plain) + "\n").encode()
+        with self._lock:
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                try:
+                    os.write(fd, line)
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass
+        return event
+
+
+def _plain(value):
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def from_environment(source):
+    """The `EventLog` at `KFIT_PS_EVENTS`, or None when it is unset."""
+    path = constants.events_path()
+    return EventLog(path, source) if path else None
+
+
+def read(path):
+    """Every event of the log at `path`, in order (a line being written is skipped)."""
+    events = []
+    try:
+        with open(path, "rb") as f:
+            for line in f:
+                try:
+                    events.append(json.loads(line))
+                except ValueError:
+                    continue
+    except OSError:
+        pass
+    return events

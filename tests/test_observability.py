@@ -1,0 +1,349 @@
+"""Seeing a job: metrics, events, diagnosis and the status page, on real `kfit-ps run` jobs."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from kfit_ps.launch import job_view
+from kfit_ps.observe import diagnosis, events, metrics
+from tests import browser, helpers
+from tests.test_launcher import Job
+
+ALLOWED_LABELS = {"job", "task_type", "task_index", "reason", "le"}
+
+# Trains until the file argv[1] exists; TensorBoard (with per-task scalars) in argv[2].
+LIVE = textwrap.dedent("""
+    import os, sys
+    import keras, kfit_ps
+    from tests import helpers as h
+
+    stop_file, log_dir, model_kind = sys.argv[1:4]
+    strategy = kfit_ps.ParameterServerStrategy()
+    with strategy.scope():
+        if model_kind == "dense":
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                                      keras.layers.Dense(1)])
+            data = h.regression_dataset_fn()
+        else:  # One big table: the first variable, on ps:0; the few dense ones spread.
+            model = keras.Sequential([keras.Input((8,), dtype="int32"),
+                                      keras.layers.Embedding(200_000, 32), keras.layers.Flatten(),
+                                      keras.layers.Dense(16, activation="relu"),
+                                      keras.layers.Dense(1)])
+            def data(context):
+                import tensorflow as tf
+                ids = tf.random.stateless_uniform((256, 8), seed=(1, 2), maxval=200_000,
+                                                  dtype=tf.int32)
+                return tf.data.Dataset.from_tensors((ids, tf.ones((256, 1)))).repeat()
+        model.compile("adam", "mse", steps_per_execution=5)
+
+    class StopOnFile(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            self.model.stop_training = os.path.exists(stop_file)
+
+    model.fit(kfit_ps.DatasetCreator(data), epochs=100_000, steps_per_epoch=50, verbose=0,
+              callbacks=[StopOnFile(), kfit_ps.callbacks.TensorBoard(log_dir)])
+    print("TRAINED", flush=True)
+""")
+
+
+def read_events(job):
+    return events.read(str(job.run_dir / "events.jsonl"))
+
+
+def wait_for_event(job, predicate, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [e for e in read_events(job) if predicate(e)]
+        if found:
+            return found[0]
+        assert job.proc.poll() is None, "the launcher ended:\n" + job.proc.stdout.read()[-4000:]
+        time.sleep(0.5)
+    raise AssertionError(f"no such event within {timeout} s; events:\n"
+                         + "\n".join(json.dumps(e) for e in read_events(job)[-30:]))
+
+
+def status_url(job):
+    return json.loads((job.run_dir / "tasks.json").read_text())["status_url"]
+
+
+def fetch(url):
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
+
+
+def bounded(page):
+    """The samples of a metric page, parsed with prometheus-client's parser; every label
+    set bounded (no per-step, per-id or per-pid label)."""
+    samples = metrics.parse(page)
+    assert samples, page
+    for name, labels in samples:
+        assert name.startswith("kfit_ps_"), name
+        assert {k for k, _ in labels} <= ALLOWED_LABELS, (name, labels)
+        values = dict(labels)
+        assert values.get("task_type") in ("chief", "worker", "ps"), (name, labels)
+        assert values.get("reason") in (None, *metrics.RESTART_REASONS), (name, labels)
+    return samples
+
+
+def value(samples, name, task):
+    task_type, index = task.split(":")
+    for (sample, labels), number in samples.items():
+        labels = dict(labels)
+        if sample == name and (labels["task_type"], labels["task_index"]) == (task_type, index):
+            return number
+    return None
+
+
+class DutyCycle(threading.Thread):
+    """Stops and continues a process every `period` / 2 s: half its speed, or less."""
+
+    def __init__(self, pid, period=0.5):
+        super().__init__(daemon=True)
+        self.pid, self.period, self.done = pid, period, threading.Event()
+
+    def run(self):
+        try:
+            while not self.done.is_set():
+                os.kill(self.pid, signal.SIGSTOP)
+                time.sleep(self.period / 2)
+                os.kill(self.pid, signal.SIGCONT)
+                time.sleep(self.period / 2)
+        except ProcessLookupError:
+            pass
+
+    def stop(self):
+        self.done.set()
+        self.join(5)
+        try:
+            os.kill(self.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+# The rules and tables, without a cluster ------------------------------------------------------
+
+
+def test_diagnosis_names_only_a_sustained_slow_worker_or_hot_ps_and_clears_them():
+    rules = diagnosis.Diagnosis(window=10, sustain=6)
+    steps = {"worker:0": 0.0, "worker:1": 0.0, "worker:2": 0.0}
+    busy = dict.fromkeys(steps, 0.0)
+    cpu = {"ps:0": 0.0, "ps:1": 0.0}
+    findings = []
+    for t in range(0, 80):
+        slow = 20 <= t < 50
+        # A job that synchronises often: every worker finishes as many steps per second, and
+        # the fast ones wait at the joins half of the time; the slow one works all of it.
+        for task in steps:
+            lost = task == "worker:2" and t >= 60  # no step at all: lost, not slow
+            steps[task] += 0 if lost else 10
+            busy[task] += 0 if lost else (1.0 if slow and task == "worker:1" else 0.5)
+        cpu["ps:0"] += 0.9 if 30 <= t < 60 else 0.3
+        cpu["ps:1"] += 0.25
+        for task, count in steps.items():
+            rules.steps.add(task, float(t), count)
+            rules.busy.add(task, float(t), busy[task])
+        for task, seconds in cpu.items():
+            rules.cpu.add(task, float(t), seconds)
+        findings += [(t, f.kind, f.task, f.active) for f in rules.update(float(t))]
+    named = [(kind, task, active) for _, kind, task, active in findings]
+    assert named == [("straggler", "worker:1", True), ("hot_ps", "ps:0", True),
+                     ("straggler", "worker:1", False), ("hot_ps", "ps:0", False)], findings
+    first = {(kind, task): t for t, kind, task, active in findings if active}
+    # The rate crosses the line a few seconds into the slowdown; then `sustain` more.
+    assert 20 + 6 <= first[("straggler", "worker:1")] <= 20 + 10 + 6
+    # A worker with no step is lost, not slow; one ps alone is never "far above the others".
+    assert ("straggler", "worker:2") not in first
+    quota = diagnosis.Diagnosis(window=4, sustain=2)
+    quota.quota["ps:0"] = 1.0
+    for t in range(10):
+        quota.cpu.add("ps:0", float(t), 0.95 * t)
+        changes = quota.update(float(t))
+        if changes:
+            assert changes[0].kind == "hot_ps" and "of its 1 CPU cores" in changes[0].text
+            break
+    else:
+        raise AssertionError("a ps at 95% of its CPU quota was not named hot")
+
+
+def test_every_metric_of_the_table_serves_a_bounded_page_that_prometheus_parses():
+    for role in ("chief", "launcher"):
+        served = metrics.Metrics("job-a", role)
+        for name, (kind, _, extra, by) in metrics.TABLE.items():
+            if by != role:
+                continue
+            for task in ("chief:0", "worker:0", "worker:1", "ps:0"):
+                labels = {"reason": "killed"} if extra else {}
+                child = served.child(name, task, **labels)
+                if kind.__name__ == "Histogram":
+                    child.observe(0.003)
+                elif kind.__name__ == "Counter":
+                    child.inc(2)
+                else:
+                    child.set(1.5)
+        samples = bounded(served.text().decode())
+        names = {name for name, _ in samples}
+        for name, (kind, _, _, by) in metrics.TABLE.items():
+            if by == role:
+                suffix = {"Counter": "_total", "Histogram": "_count"}.get(kind.__name__, "")
+                assert name + suffix in names, name
+    assert metrics.FUNCTION_BUCKETS[0] == 0.001 and metrics.FUNCTION_BUCKETS[-1] == 1000.0
+    # The restart reasons are the whole label set of `reason`.
+    assert {job_view.restart_reason(s) for s in (-9, -15, 75, 1, 2)} <= set(
+        metrics.RESTART_REASONS)
+
+
+def test_an_event_log_appends_whole_lines_from_two_processes(tmp_path):
+    path = str(tmp_path / "events.jsonl")
+    code = textwrap.dedent(f"""
+        from kfit_ps.observe.events import EventLog
+        log = EventLog({path!r}, "chief")
+        for i in range(300):
+            log.emit("backup", "chief:0", "x" * 500, step=i)
+    """)
+    writers = [subprocess.Popen([sys.executable, "-c", code], cwd=helpers.ROOT)
+               for _ in range(2)]
+    assert [w.wait(60) for w in writers] == [0, 0]
+    with open(path) as f:
+        lines = f.read().splitlines()
+    assert len(lines) == 600
+    assert sorted(json.loads(line)["step"] for line in lines) == sorted(list(range(300)) * 2)
+    with pytest.raises(ValueError, match="Unknown event kind 'oops'"):
+        events.EventLog(path, "chief").emit("oops")
+
+
+# Live jobs ----------------------------------------------------------------------------------
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+def test_a_live_job_names_a_slowed_worker_renders_its_restart_and_serves_bounded_metrics(
+        tmp_path):
+    stop_file, log_dir = tmp_path / "stop", tmp_path / "tb"
+    job = Job(tmp_path, "--workers", "2", "--ps", "2",
+              script=LIVE, script_args=(stop_file, log_dir, "dense"))
+    cycle = None
+    try:
+        wait_for_event(job, lambda e: e["event"] == "fit_begin", 180)
+        time.sleep(30)  # A healthy job: more than a window and its sustain.
+        assert [e for e in read_events(job) if e["event"] in ("straggler", "hot_ps")] == []
+
+        cycle = DutyCycle(job.tasks()["worker:1"])
+        started = time.monotonic()
+        cycle.start()
+        named = wait_for_event(job, lambda e: e["event"] == "straggler", 60)
+        elapsed = time.monotonic() - started
+        samples = bounded(fetch(status_url(job) + "metrics"))  # The launcher's page.
+        cycle.stop()
+        assert named["task"] == "worker:1" and elapsed <= 60, (named, elapsed)
+        assert named["steps_per_second"] < diagnosis.STRAGGLER_RATIO * named["others"]
+        assert value(samples, "kfit_ps_straggler", "worker:1") == 1.0
+        assert value(samples, "kfit_ps_straggler", "worker:0") in (None, 0.0)
+        assert value(samples, "kfit_ps_steps_total", "worker:0") > 0
+        assert value(samples, "kfit_ps_task_up", "ps:1") == 1.0
+        assert value(samples, "kfit_ps_ps_cpu_cores", "ps:0") is not None
+        assert not [e for e in read_events(job) if e["event"] == "hot_ps"]
+
+        pid = job.tasks()["worker:1"]
+        os.kill(pid, signal.SIGKILL)
+        wait_for_event(job, lambda e: e["event"] == "restart" and e["task"] == "worker:1", 60)
+        url = status_url(job)
+        dom = browser.rendered_dom(url, tmp_path / "chromium")
+        rows = {task: state for state, task in
+                re.findall(r'<tr class="(\w+)" data-task="([\w:]+)"', dom)}
+        assert rows == {"chief:0": "running", "worker:0": "running", "worker:1": "running",
+                        "ps:0": "running", "ps:1": "running"}, dom[-3000:]
+        restarts = dict(re.findall(
+            r'data-task="([\w:]+)"><td>[^<]*</td><td class="state">\w+</td><td>\d*</td>'
+            r'<td class="restarts">(\d+)</td>', dom))
+        assert restarts == {"chief:0": "0", "worker:0": "0", "worker:1": "1", "ps:0": "0",
+                            "ps:1": "0"}, dom[-3000:]
+        assert 'data-event="restart"' in dom and 'data-event="task_lost"' in dom
+        assert f"worker:1 is back (pid {job.tasks()['worker:1']})" in dom
+        assert "<polyline" in dom  # the training curve
+
+        shown = subprocess.run([sys.executable, "-m", "kfit_ps.cli.main", "status",
+                                "--run-dir", str(job.run_dir)], capture_output=True,
+                               text=True, timeout=60, cwd=helpers.ROOT)
+        assert shown.returncode == 0, shown.stderr
+        [line] = [x for x in shown.stdout.splitlines() if x.startswith("worker:1 ")]
+        assert line.split()[1:4] == ["running", str(job.tasks()["worker:1"]), "1"], shown.stdout
+        assert "restart worker:1" in shown.stdout
+        stop_file.write_text("")
+        status = job.finish()
+    finally:
+        if cycle is not None:
+            cycle.stop()
+        if job.proc.poll() is None:
+            job.proc.kill()
+    assert status == 0, "\n".join(job.lines[-60:])
+    output = "\n".join(job.lines)
+    assert "[chief] kfit_ps: worker:1 is straggling" in output
+    assert "status page http://127.0.0.1:" in output
+    from kfit_ps.training import summaries
+
+    scalars = {}
+    for name in os.listdir(log_dir / "tasks"):
+        scalars.update(summaries.read_scalars(str(log_dir / "tasks" / name)))
+    assert {"worker_0/steps_per_second", "worker_1/steps_per_second", "ps_0/cpu_cores",
+            "ps_1/cpu_cores"} <= set(scalars), sorted(scalars)
+    assert job.left_running() == []
+
+
+@pytest.mark.slow
+def test_a_ps_holding_every_table_is_named_hot_and_no_worker_a_straggler(tmp_path):
+    stop_file = tmp_path / "stop"
+    job = Job(tmp_path, "--workers", "2", "--ps", "2",
+              script=LIVE, script_args=(stop_file, tmp_path / "tb", "table"))
+    try:
+        begun = wait_for_event(job, lambda e: e["event"] == "fit_begin", 180)
+        named = wait_for_event(job, lambda e: e["event"] == "hot_ps", 60)
+        samples = bounded(fetch(status_url(job) + "metrics"))
+        stop_file.write_text("")
+        status = job.finish()
+    finally:
+        if job.proc.poll() is None:
+            job.proc.kill()
+    assert status == 0, "\n".join(job.lines[-60:])
+    assert named["task"] == "ps:0" and named["time"] - begun["time"] <= 60, (named, begun)
+    assert named["cpu_cores"] >= diagnosis.HOT_RATIO * named["others"]
+    assert value(samples, "kfit_ps_hot_ps", "ps:0") == 1.0
+    assert value(samples, "kfit_ps_table_rows", "ps:0") == 200_000
+    assert value(samples, "kfit_ps_table_rows", "ps:1") is None
+    kinds = [(e["event"], e["task"]) for e in read_events(job)
+             if e["event"] in ("hot_ps", "straggler")]
+    assert kinds == [("hot_ps", "ps:0")], kinds
+    assert "[chief] kfit_ps: ps:0 is hot" in "\n".join(job.lines)
+    assert job.left_running() == []
+
+
+def test_bad_status_arguments_name_the_flag_and_say_what_to_do(tmp_path):
+    from kfit_ps.launch import LaunchConfig
+
+    with pytest.raises(ValueError, match=r"status_port.*Received: status_port=70000"):
+        LaunchConfig(command=("python", "x.py"), status_port=70000)
+    run = subprocess.run([sys.executable, "-m", "kfit_ps.cli.main", "status"],
+                         capture_output=True, text=True, timeout=60, cwd=helpers.ROOT)
+    assert run.returncode == 2 and "--run-dir/--url: pass one" in run.stderr, run.stderr
+    run = subprocess.run([sys.executable, "-m", "kfit_ps.cli.main", "status", "--run-dir",
+                          str(tmp_path)], capture_output=True, text=True, timeout=60,
+                         cwd=helpers.ROOT)
+    assert run.returncode == 1, run
+    assert "no readable" in run.stderr and "is --run-dir the directory" in run.stderr
+    # A finished job: its event log still tells what happened.
+    events.EventLog(str(tmp_path / "events.jsonl"), "launcher").emit("done", None, "bye",
+                                                                     status=0)
+    (tmp_path / "tasks.json").write_text(json.dumps({"status_url": "http://127.0.0.1:9/"}))
+    run = subprocess.run([sys.executable, "-m", "kfit_ps.cli.main", "status", "--run-dir",
+                          str(tmp_path)], capture_output=True, text=True, timeout=60,
+                         cwd=helpers.ROOT)
+    assert run.returncode == 0 and "the launcher is not running" in run.stdout, run
+    assert "done: bye" in run.stdout
