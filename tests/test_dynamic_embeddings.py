@@ -370,3 +370,35 @@ def test_worker_read_evaluation_matches_the_shipped_path(strategy):
     worker_read = model.evaluate(kfit_ps.DatasetCreator(dataset_fn), verbose=0)
     np.testing.assert_allclose(worker_read, shipped, rtol=1e-5)
     assert shipped != 0  # Rows were trained: the sum of the vectors is not zero.
+
+
+def test_the_monitor_counts_rows_admitted_and_evicted_on_each_ps(strategy):
+    """`kfit_ps_table_*` metrics: each ps' shard of the table, read on the ps, summing to the
+    layer's own figures; counters move by what grew since the last reading."""
+    import keras
+    import kfit_ps
+    from kfit_ps.observe import metrics
+    from kfit_ps.training import monitor
+
+    with strategy.scope():
+        layer = kfit_ps.layers.DynamicEmbedding(4, capacity=60)
+        model = _summing_model(layer, 4, keras.optimizers.Adagrad(0.1))
+    x = np.arange(400).reshape(100, 4)
+    model.fit(x, np.zeros(len(x)), batch_size=4, epochs=1, verbose=0)
+    per_ps = monitor.table_stats(model)
+    stats = layer.stats()
+    assert set(per_ps) == {"ps:0", "ps:1"}  # the table has a shard on each ps
+    for key in ("rows", "admitted", "evicted"):
+        assert sum(s[key] for s in per_ps.values()) == stats[key], (key, per_ps, stats)
+    assert stats["evicted"] > 0
+    watcher = monitor.JobMonitor()
+    watcher.tables(per_ps)
+    watcher.tables(per_ps)  # the same reading again: nothing more counted
+    samples = metrics.parse(watcher.metrics.text().decode())
+    for task, figures in per_ps.items():
+        index = task.split(":")[1]
+        labels = lambda name: (name, frozenset({"job": "kfit_ps", "task_type": "ps",  # noqa
+                                                 "task_index": index}.items()))
+        assert samples[labels("kfit_ps_table_rows")] == figures["rows"]
+        assert samples[labels("kfit_ps_table_admitted_total")] == figures["admitted"]
+        assert samples[labels("kfit_ps_table_evicted_total")] == figures["evicted"]

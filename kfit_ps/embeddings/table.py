@@ -275,15 +275,22 @@ class DynamicTable(tf.Module):
 
     # Reports -------------------------------------------------------------------------------
 
-    def stats(self):
-        """{"rows", "admitted", "evicted", "peak_rows_per_shard"}: read from the ps tasks."""
-        rows = admitted = evicted = peak = 0
+    def shard_stats(self):
+        """[{"device", "rows", "admitted", "evicted", "peak_rows"}] per shard, read on its ps."""
+        stats = []
         for shard in self.shards:
             with tf.device(shard.device):
-                rows += int(shard.values.size())
+                rows = int(shard.values.size())
             counters = shard.counters.numpy()
-            admitted += int(counters[ADMITTED])
-            evicted += int(counters[EVICTED])
-            peak = max(peak, int(counters[PEAK]))
-        return {"rows": rows, "admitted": admitted, "evicted": evicted,
-                "peak_rows_per_shard": peak}
+            stats.append({"device": shard.device, "rows": rows,
+                          "admitted": int(counters[ADMITTED]),
+                          "evicted": int(counters[EVICTED]), "peak_rows": int(counters[PEAK])})
+        return stats
+
+    def stats(self):
+        """{"rows", "admitted", "evicted", "peak_rows_per_shard"}: read from the ps tasks."""
+        shards = self.shard_stats()
+        return {"rows": sum(s["rows"] for s in shards),
+                "admitted": sum(s["admitted"] for s in shards),
+                "evicted": sum(s["evicted"] for s in shards),
+                "peak_rows_per_shard": max((s["peak_rows"] for s in shards), default=0)}

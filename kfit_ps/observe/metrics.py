@@ -47,8 +47,10 @@ TABLE = {
     "kfit_ps_hot_ps": (Gauge, "1 while the ps is named hot", (), "chief"),
     "kfit_ps_table_rows": (Gauge, "Embedding rows a ps holds (sharded variables and dynamic "
                            "tables)", (), "chief"),
-    "kfit_ps_table_admitted": (Counter, "Keys admitted into dynamic tables", (), "chief"),
-    "kfit_ps_table_evicted": (Counter, "Rows evicted from dynamic tables", (), "chief"),
+    "kfit_ps_table_admitted": (Counter, "Keys admitted into the dynamic-table shards of a ps",
+                               (), "chief"),
+    "kfit_ps_table_evicted": (Counter, "Rows evicted from the dynamic-table shards of a ps", (),
+                              "chief"),
     "kfit_ps_backup_seconds": (Histogram, "Duration of a backup (BackupAndRestore)", (),
                                "chief"),
     "kfit_ps_checkpoint_seconds": (Histogram, "Duration of a checkpoint (ModelCheckpoint)", (),

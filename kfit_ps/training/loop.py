@@ -45,7 +45,7 @@ from kfit_ps.errors import Preempted, is_cluster_failure
 from kfit_ps.strategy import is_kfit_strategy
 from kfit_ps.training import (cluster_health, functions, inputs, metric_state, moving_averages,
                               preemption, sharded_updates)
-from kfit_ps.training.monitor import job_monitor, table_rows
+from kfit_ps.training.monitor import job_monitor, table_stats
 from kfit_ps.training.evaluation import Evaluation
 from kfit_ps.training.scheduling import metric_logs, per_worker_iterator, schedule_steps
 from kfit_ps.training.callbacks.backup_and_restore import with_launcher_backup
@@ -280,7 +280,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                     _tf_compat.print_msg(report.summary())
                 logs.update(report.logs())
             monitor.epoch_end(epoch, logs)
-            monitor.tables(table_rows(model))
+            monitor.tables(table_stats(model))
             callbacks.on_epoch_end(epoch, logs)
             if model.stop_training:
                 break

@@ -104,6 +104,8 @@ class JobMonitor:
         self._ps = {}  # ps task -> its device
         self._eval = [0, 0]  # functions finished, functions scheduled in this evaluation
         self._quota_read = set()
+        self._table_counts = {}  # (ps task, "admitted" / "evicted") -> last reading
+        self._rss = {}  # ps task -> resident bytes at the last sample
         self._stop = None
         self._thread = None
 
@@ -229,6 +231,7 @@ class JobMonitor:
                 self.diagnosis.cpu.forget(task)  # Lost or restarting: no rate across it.
                 continue
             self.diagnosis.cpu.add(task, now, cpu)
+            self._rss[task] = rss
             self._child("kfit_ps_ps_rss_bytes", task).set(rss)
         workers_rates, ps_rates = self.diagnosis.rates(now)
         for task, rate in workers_rates.items():
@@ -248,6 +251,8 @@ class JobMonitor:
         figures = {task: {"steps_per_second": rate} for task, rate in workers.items()}
         for task, cores in ps.items():
             figures.setdefault(task, {})["cpu_cores"] = cores
+            if task in self._rss:
+                figures[task]["rss_bytes"] = self._rss[task]
         return figures
 
     # Events and timings -------------------------------------------------------------------
@@ -270,13 +275,17 @@ class JobMonitor:
         scalars = {k: float(v) for k, v in logs.items() if _is_scalar(v)}
         self.event("epoch", "chief:0", f"epoch {epoch + 1} ended", epoch=epoch, logs=scalars)
 
-    def tables(self, rows_by_ps, admitted=0, evicted=0):
-        for task, rows in rows_by_ps.items():
-            self._child("kfit_ps_table_rows", task).set(rows)
-        if admitted:
-            self._child("kfit_ps_table_admitted", "chief:0").inc(admitted)
-        if evicted:
-            self._child("kfit_ps_table_evicted", "chief:0").inc(evicted)
+    def tables(self, stats_by_ps):
+        """`table_stats(model)`: rows per ps set, admitted and evicted counted up by what
+        grew since the last reading (a restored table starts its counters again)."""
+        for task, stats in stats_by_ps.items():
+            self._child("kfit_ps_table_rows", task).set(stats.get("rows", 0))
+            for key in ("admitted", "evicted"):
+                value = stats.get(key, 0)
+                last = self._table_counts.get((task, key), 0)
+                if value > last:
+                    self._child(f"kfit_ps_table_{key}", task).inc(value - last)
+                self._table_counts[(task, key)] = value
 
 
 def _is_scalar(value):
@@ -287,17 +296,34 @@ def _is_scalar(value):
         return False
 
 
-def table_rows(model):
-    """{ps task: embedding rows it holds} over the model's `Embedding` layers (each shard
-    of a sharded table on its own ps)."""
+def _ps_task(device):
+    spec = tf.DeviceSpec.from_string(device or "")
+    if spec.job == constants.PS and spec.task is not None:
+        return _task(constants.PS, spec.task)
+    return None
+
+
+def table_stats(model):
+    """{ps task: {"rows", "admitted", "evicted"}} over the model's embedding tables: each
+    shard of a sharded `Embedding` on its ps, and each shard of a `DynamicEmbedding`'s table
+    (rows held, and keys admitted and rows evicted since it was created, read on its ps)."""
     import keras
 
-    rows = collections.Counter()
+    from kfit_ps import embeddings
+
+    stats = collections.defaultdict(collections.Counter)
     for layer in _tf_compat.sublayers(model):
-        if not isinstance(layer, keras.layers.Embedding):
+        if isinstance(layer, keras.layers.Embedding):
+            for shard in _tf_compat.shards(layer.embeddings):
+                task = _ps_task(shard.device)
+                if task is not None:
+                    stats[task]["rows"] += int(shard.shape[0])
+    for layer in embeddings.dynamic_layers(model):
+        if layer.table is None:
             continue
-        for shard in _tf_compat.shards(layer.embeddings):
-            device = tf.DeviceSpec.from_string(shard.device or "")
-            if device.job == constants.PS and device.task is not None:
-                rows[_task(constants.PS, device.task)] += int(shard.shape[0])
-    return dict(rows)
+        for shard in layer.table.shard_stats():
+            task = _ps_task(shard["device"])
+            if task is not None:
+                for key in ("rows", "admitted", "evicted"):
+                    stats[task][key] += shard[key]
+    return {task: dict(counts) for task, counts in stats.items()}
