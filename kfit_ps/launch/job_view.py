@@ -36,7 +36,7 @@ _CHIEF_SCRAPE_TIMEOUT = 2.0
 def restart_reason(status):
     """The `reason` label of a restart after a process ended with `status`."""
     if status is not None and status < 0:
-        return "killed" if -status == 9 else "signal"
+        return "killed" if exit_status.from_returncode(status) == exit_status.KILLED else "signal"
     if status == exit_status.CLUSTER_ERROR:
         return "cluster_error"
     return "program_error"

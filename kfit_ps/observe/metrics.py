@@ -93,13 +93,6 @@ class Metrics:
         return self._metrics[name].labels(job=self.job, task_type=task_type, task_index=index,
                                           **extra)
 
-    def remove(self, name, task):
-        task_type, index = task.split(":")
-        try:
-            self._metrics[name].remove(self.job, task_type, index)
-        except KeyError:
-            pass
-
     def text(self):
         """The Prometheus text exposition of every metric."""
         return prometheus_client.generate_latest(self.registry)

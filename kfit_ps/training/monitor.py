@@ -183,11 +183,12 @@ class JobMonitor:
         with self._lock:
             self._expected.clear()
 
-    def _read_on(self, device, path):
-        """The text of the file at `path` on the task of `device`, or None where it has none
-        (looked up first: a failed read on a server logs a gRPC error there and here)."""
+    def _read_on(self, device, path, optional=False):
+        """The text of the file at `path` on the task of `device`. An `optional` file is looked
+        up first and None where the task has none (a failed read on a server logs a gRPC error
+        there and here)."""
         with tf.device(device):
-            if not tf.io.matching_files(path).numpy().size:
+            if optional and not tf.io.matching_files(path).numpy().size:
                 return None
             return tf.io.read_file(path).numpy().decode()
 
@@ -197,8 +198,8 @@ class JobMonitor:
             if task in self._quota_read:
                 continue
             try:
-                online = self._read_on(device, "/sys/devices/system/cpu/online")
-                cpu_max = self._read_on(device, "/sys/fs/cgroup/cpu.max")
+                online = self._read_on(device, "/sys/devices/system/cpu/online", optional=True)
+                cpu_max = self._read_on(device, "/sys/fs/cgroup/cpu.max", optional=True)
             except tf.errors.OpError:
                 continue  # Not serving: read again in the next fit.
             self._quota_read.add(task)
@@ -227,7 +228,7 @@ class JobMonitor:
         for task, device in self._ps.items():
             try:
                 cpu, rss = usage.parse_proc_stat(self._read_on(device, "/proc/self/stat"))
-            except (tf.errors.OpError, ValueError, IndexError, AttributeError):
+            except (tf.errors.OpError, ValueError, IndexError):
                 self.diagnosis.cpu.forget(task)  # Lost or restarting: no rate across it.
                 continue
             self.diagnosis.cpu.add(task, now, cpu)
@@ -270,7 +271,7 @@ class JobMonitor:
         self._child(f"kfit_ps_{kind}_seconds", "chief:0").observe(seconds)
         self.event(kind, "chief:0", reason, seconds=round(seconds, 3), **fields)
 
-    def epoch_end(self, epoch, logs, tables=None):
+    def epoch_end(self, epoch, logs):
         self._child("kfit_ps_epoch", "chief:0").set(epoch + 1)
         scalars = {k: float(v) for k, v in logs.items() if _is_scalar(v)}
         self.event("epoch", "chief:0", f"epoch {epoch + 1} ended", epoch=epoch, logs=scalars)
