@@ -40,7 +40,7 @@ from kfit_ps import callbacks  # noqa: E402
 from kfit_ps import layers  # noqa: E402
 from kfit_ps import ledger  # noqa: E402
 from kfit_ps.errors import ClusterError, ParameterServerError, WorkersLostError  # noqa: E402
-from kfit_ps.launch import LaunchConfig, run  # noqa: E402
+from kfit_ps.launch import LaunchConfig, run, scale  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -72,6 +72,7 @@ __all__ = [
     "ledger",
     "partitioners",
     "run",
+    "scale",
     "shardable",
     "shards",
 ]

@@ -35,6 +35,7 @@ and `LocalCluster` passes the environment on to its servers.
 | `KFIT_PS_EVENTS` | unset | the chief appends its events (JSON lines) to this local file; set by `kfit-ps run` to `events.jsonl` in the run directory |
 | `KFIT_PS_DIAGNOSIS_INTERVAL` | `3` | seconds between the chief's samples of per-worker steps and per-ps CPU (straggler and hot-ps diagnosis) |
 | `KFIT_PS_MONITOR` | `1` | `0`: the chief keeps no metrics, events or diagnosis (`kfit_ps.training.monitor`) |
+| `KFIT_PS_MEMBERSHIP` | unset | set by `kfit-ps run` in the chief: the directory where the launcher publishes the job's worker list (`kfit_ps.membership`); `fit` takes a new list at its next safe point |
 | `TF_CPP_MIN_LOG_LEVEL` | servers: `1` | TensorFlow's own C++ log filter (servers log to their files); set it to override |
 """
 
@@ -69,6 +70,7 @@ METRICS_ADDRESS_ENV = "KFIT_PS_METRICS_ADDRESS"
 EVENTS_ENV = "KFIT_PS_EVENTS"
 DIAGNOSIS_INTERVAL_ENV = "KFIT_PS_DIAGNOSIS_INTERVAL"
 MONITOR_ENV = "KFIT_PS_MONITOR"
+MEMBERSHIP_ENV = "KFIT_PS_MEMBERSHIP"
 
 DEFAULT_STARTUP_TIMEOUT = 120.0
 DEFAULT_PARENT_POLL = 0.5
@@ -252,3 +254,8 @@ def diagnosis_interval():
 def monitor_enabled():
     """Whether the chief monitors its job (`KFIT_PS_MONITOR`, on unless `0`)."""
     return os.environ.get(MONITOR_ENV, "1").strip() != "0"
+
+
+def membership_dir():
+    """The launcher's worker-list directory (`KFIT_PS_MEMBERSHIP`), or None."""
+    return os.environ.get(MEMBERSHIP_ENV) or None

@@ -1,5 +1,6 @@
 """`kfit-ps run`: real supervisors, servers and chiefs, killed with real signals."""
 
+import contextlib
 import json
 import os
 import pathlib
@@ -77,6 +78,16 @@ class Job:
             if predicate(line):
                 return line
         raise AssertionError("not seen; output:\n" + "\n".join(self.lines[-60:]))
+
+    @contextlib.contextmanager
+    def running(self):
+        """The block drives the job; if it fails before the launcher ended, the launcher is
+        killed (its servers and chief follow it)."""
+        try:
+            yield self
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
 
     def finish(self, timeout=300):
         out, _ = self.proc.communicate(timeout=timeout)

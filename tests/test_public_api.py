@@ -16,7 +16,7 @@ PACKAGE = pathlib.Path(kfit_ps.__file__).parent
 # Which kfit_ps layers each layer may import. Layers point one way: cli -> launch and jobs ->
 # cluster and training -> strategy -> _tf_compat; the leaves below may be used by any layer.
 # `observe` (metrics, events, diagnosis; no TensorFlow) serves the launcher and the chief.
-LEAVES = {"constants", "validation", "net", "errors"}
+LEAVES = {"constants", "validation", "net", "errors", "membership"}
 ALLOWED = {
     "cli": {"launch", "cluster", "training", "strategy", "jobs", "_tf_compat"} | LEAVES,
     "launch": {"launch", "cluster", "_tf_log_filter", "observe"} | LEAVES,
@@ -30,6 +30,7 @@ ALLOWED = {
     "constants": set(),
     "validation": set(),
     "net": set(),
+    "membership": set(),
     "errors": set(),
     "tf_logs": {"constants"},
     "_tf_log_filter": set(),
@@ -47,7 +48,8 @@ def test_all_is_the_public_api():
         "ClusterConfig", "ClusterError", "DatasetCreator", "LaunchConfig", "LocalCluster",
         "ParameterServerError", "ParameterServerStrategy", "SidecarEvaluator",
         "WorkersLostError", "__version__", "callbacks", "errors", "export_saved_model",
-        "job_cluster", "layers", "ledger", "partitioners", "run", "shardable", "shards"])
+        "job_cluster", "layers", "ledger", "partitioners", "run", "scale", "shardable",
+        "shards"])
     assert issubclass(kfit_ps.WorkersLostError, kfit_ps.ClusterError)
     assert issubclass(kfit_ps.ParameterServerError, kfit_ps.ClusterError)
     assert sorted(kfit_ps.callbacks.__all__) == [

@@ -180,6 +180,18 @@ def test_private_apis_of_this_issue_still_exist():
     for name in ("failure_handler", "workers", "closure_queue", "resource_cancellation_mgr"):
         assert f"self.{name}" in cluster_source, name
     assert "context.context().update_server_def" in handler_attrs
+    # What `worker_set.resize_workers` (elastic workers) relies on.
+    worker_source = inspect.getsource(cluster_coordinator.Worker)
+    for name in ("_resource_tracking_lock", "def _register_resource", "def create_resource"):
+        assert name in worker_source, name
+    closure_source = inspect.getsource(cluster_coordinator.Closure)
+    for name in ("self._function", "self._concrete_function", "self._args", "self._kwargs"):
+        assert name in closure_source, name
+    assert "self._num_workers = strategy._num_workers" in cluster_source
+    assert "strategy._cluster_coordinator" in inspect.getsource(
+        cluster_coordinator.ClusterCoordinator.__new__)
+    from tensorflow.core.protobuf import tensorflow_server_pb2
+    assert "cluster_device_filters" in tensorflow_server_pb2.ServerDef.DESCRIPTOR.fields_by_name
 
 
 def test_print_msg_honours_keras_interactive_logging(capsys):

@@ -11,6 +11,7 @@ one place, with a clear message.
 from kfit_ps._tf_compat.versions import SUPPORTED, check_versions
 from kfit_ps._tf_compat.autograph_files import remove_autograph_files
 from kfit_ps._tf_compat.closure_hook import observe_closures
+from kfit_ps._tf_compat.worker_set import resize_workers, track_per_worker, worker_addresses
 from kfit_ps._tf_compat.eager_context import (
     forget_servers,
     track_coordinator,
@@ -59,6 +60,9 @@ from kfit_ps._tf_compat.keras_trainer import (
 
 __all__ = [
     "observe_closures",
+    "resize_workers",
+    "track_per_worker",
+    "worker_addresses",
     "CachedReadScope",
     "LocalStateScope",
     "SUPPORTED",

@@ -87,6 +87,15 @@ def _end_handler_thread(handler, deadline):
     return not handler._preemption_handler_thread.is_alive()
 
 
+def quiesce(coordinator, deadline):
+    """Stops `coordinator` from taking work and ends its recovery thread (waiting, until
+    `deadline`, for a recovery in progress); returns whether that thread has ended.
+
+    After this, nothing of `coordinator` updates the eager context's cluster.
+    """
+    return _end_handler_thread(_stop_scheduling(coordinator), deadline)
+
+
 def forget_servers(addresses, recovery_wait=_RECOVERY_WAIT_SECONDS):
     """Disconnects this process from a cluster that contains any of `addresses`.
 

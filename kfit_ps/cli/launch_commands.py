@@ -117,6 +117,18 @@ def cmd_status(args, parser):
     return 0
 
 
+def cmd_scale(args, parser):
+    from kfit_ps import membership
+
+    try:
+        membership.request_scale(args.run_dir, args.workers)
+    except ValueError as e:
+        parser.error(str(e))
+    print(f"kfit-ps scale: asked the job in {args.run_dir} for {args.workers} workers; its "
+          "launcher's output and `kfit-ps status` show the change")
+    return 0
+
+
 def _resources(parser, flag, text):
     """`worker=2,ps=1` -> {"worker": "2", "ps": "1"}."""
     resources = {}
@@ -210,6 +222,17 @@ def add_parsers(sub):
     status.add_argument("--events", type=int, default=8, help="recent events shown (default 8)")
     status.add_argument("--json", action="store_true", help="print status.json as it is")
     status.set_defaults(handler=cmd_status)
+
+    scale = sub.add_parser(
+        "scale", help="add or remove workers of a running job (kfit-ps run) during fit",
+        description="Asks a job's launcher for a number of workers: new ones join the "
+                    "chief's fit at its next safe point; removed ones are drained, then "
+                    "stopped. Returns at once.")
+    scale.add_argument("--run-dir", required=True,
+                       help="the job's run directory (printed by kfit-ps run at its start)")
+    scale.add_argument("--workers", type=int, required=True,
+                       help="the number of workers the job should have (at least 1)")
+    scale.set_defaults(handler=cmd_scale)
 
     manifests = sub.add_parser(
         "manifests", help="print the Kubernetes manifests of a job (YAML)",

@@ -36,7 +36,7 @@ import time
 import weakref
 
 from kfit_ps import _tf_compat, constants, net, validation
-from kfit_ps.cluster import server
+from kfit_ps.cluster import server, worker_count
 from kfit_ps.cluster.logs import read_tail
 from kfit_ps.cluster.spec import ClusterConfig
 from kfit_ps.cluster.start_errors import PortTaken, ServerNotReady
@@ -171,16 +171,7 @@ class LocalCluster:
             # which must not overlap (see _tf_compat.forget_servers).
             _tf_compat.forget_servers(
                 [self.config.address(t, i) for t, i in self.server_tasks()])
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        deadline = time.monotonic() + _STOP_GRACE_SECONDS
-        for p in procs:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        worker_count.terminate(procs, _STOP_GRACE_SECONDS)
         for f in logs:
             f.close()
         if self._log_dir is not None and self._kept_log_dir is None:
@@ -235,6 +226,12 @@ class LocalCluster:
             self._spawn(task_type, index)
         self._wait_ready(tasks)
 
+    def resize_workers(self, num_workers):
+        """Starts or stops workers so that the cluster has `num_workers`; returns once each new
+        one serves. Removing stops the highest-numbered ones: tell the chief first
+        (`ParameterServerStrategy.resize_workers`; `kfit-ps scale` does)."""
+        worker_count.resize(self, num_workers, _free_port, _STOP_GRACE_SECONDS)
+
     def exited(self):
         """`{(task_type, index): exit status}` of the servers that are not running.
 
@@ -265,6 +262,11 @@ class LocalCluster:
         """A `ClusterResolver` for the chief (this process)."""
         self._require_started("cluster_resolver")
         return self.config.cluster_resolver()
+
+    @property
+    def resizable(self):
+        """Whether `resize_workers` can change this cluster (it picked its own addresses)."""
+        return self.config is not None and not self._given
 
     def address(self, task_type, index):
         self._require_started("address")

@@ -86,9 +86,9 @@ class ChiefProcess:
 
 
 def environment(tf_config, backup_dir=None, save_freq="epoch", run_dir=None, metrics_port=None,
-                events=None):
+                events=None, membership=None):
     """The chief's environment: this process's, plus what the launcher tells it (where to
-    serve its metrics and append its events)."""
+    serve its metrics and append its events, where it publishes the job's workers)."""
     env = dict(os.environ)
     env[constants.TF_CONFIG] = tf_config
     env[constants.LAUNCHED_ENV] = "1"
@@ -103,4 +103,7 @@ def environment(tf_config, backup_dir=None, save_freq="epoch", run_dir=None, met
         env[constants.METRICS_PORT_ENV] = str(metrics_port)
     if events:
         env[constants.EVENTS_ENV] = str(events)
+    env.pop(constants.MEMBERSHIP_ENV, None)
+    if membership:
+        env[constants.MEMBERSHIP_ENV] = str(membership)
     return env

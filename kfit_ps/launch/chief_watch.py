@@ -13,7 +13,7 @@ memory, and nobody restarts ps pods by hand.
 
 import time
 
-from kfit_ps import net
+from kfit_ps import constants, net
 
 
 class ChiefWatch:
@@ -50,3 +50,13 @@ class ChiefWatch:
             return False
         self._seen_up, self._missed = False, 0
         return True
+
+
+def for_host(cluster, tasks):
+    """The `ChiefWatch` of a host that runs ps `tasks` of `cluster` but not the chief, or
+    None (no ps here, or no chief in the cluster)."""
+    config = cluster.config if cluster is not None else None
+    has_ps = any(t == constants.PS for t, _ in (tasks or ()))
+    if config is None or not has_ps or not config.num_tasks(constants.CHIEF):
+        return None
+    return ChiefWatch(config.address(constants.CHIEF, 0))

@@ -135,6 +135,14 @@ class JobView:
             self.log.emit("restart", task, f"{task} is back (pid {pid})", pid=pid,
                           cause=reason)
 
+    def removed_task(self, task, reason):
+        """`task` left the job (`kfit-ps scale`): stopped on purpose, no longer listed."""
+        self._pids.pop(task, None)
+        self._ended.pop(task, None)
+        self._cpu.pop(task, None)
+        self.metrics.child("kfit_ps_task_up", task).set(0)
+        self.log.emit("task_removed", task, reason)
+
     def ended(self, task, status, reason):
         self._ended[task] = status
         self._pids.pop(task, None)

@@ -5,7 +5,8 @@ directory), then the user's script as the chief with `TF_CONFIG` set, and
 watches them all. What it does when one ends is `policy.RestartPolicy`'s
 decision; this module only carries it out:
 
-- a worker is restarted at its address, and TensorFlow takes it back;
+- a worker is restarted at its address, and TensorFlow takes it back; workers
+  join and leave on `kfit-ps scale` (`launch.scaling`);
 - after a ps is lost, the chief's `fit` stops (`ParameterServerError`); if it
   does not within `ps_failure_grace`, it is stopped; then the job restarts;
 - a job restart stops the chief, restarts every server of this host and
@@ -14,17 +15,13 @@ decision; this module only carries it out:
   which finishes the steps in flight, writes a final backup and exits
   (`kfit_ps.training.preemption`); after `grace` seconds it is killed. Then
   every server stops and the supervisor exits with `exit_status.PREEMPTED`.
-  Ctrl-C stops everything within seconds. Both are honoured at every point,
-  starting and restarting servers included. If the supervisor itself is
-  killed, the servers (which watch it) and the chief (parent-death signal)
-  follow it.
-- when the chief finishes (status 0), the `--backup-dir` is deleted: the
-  backups belong to the whole script (each `fit` keeps its final state there,
-  so a rerun skips the `fit`s that completed), not to one `fit`.
+  Ctrl-C stops everything within seconds. If the supervisor is killed, the
+  servers (which watch it) and the chief (parent-death signal) follow.
+- when the chief finishes (status 0), the `--backup-dir` is deleted: backups belong
+  to the whole script (a rerun skips the `fit`s that completed), not to one `fit`.
 
-`run_dir/tasks.json` always lists the current process of each task and the
-status page's address; `run_dir/events.jsonl` is the event log (`job_view`). The exit
-status (`kfit_ps.exit_status`) is the chief's when it finished or failed,
+`run_dir/tasks.json` lists each task's current process and the status page's
+address; `run_dir/events.jsonl` is the event log (`job_view`). The exit status (`kfit_ps.exit_status`) is the chief's when it finished or failed,
 `RESTARTS_EXHAUSTED` when a task failed more often than allowed, 128 + the
 signal when stopped by one.
 """
@@ -40,12 +37,12 @@ from kfit_ps import constants, exit_status
 from kfit_ps.cluster.local import LocalCluster
 from kfit_ps.cluster.start_errors import ServerNotReady
 from kfit_ps.cluster.spec import ClusterConfig
-from kfit_ps.launch import chief_process
-from kfit_ps.launch.chief_watch import ChiefWatch
+from kfit_ps.launch import chief_process, chief_watch
 from kfit_ps.launch.events import TaskExit
 from kfit_ps.launch.job_view import JobView
 from kfit_ps.launch.liveness import LivenessWatch
 from kfit_ps.launch.policy import Action, RestartPolicy
+from kfit_ps.launch.scaling import Scaler
 
 CHIEF = "chief:0"
 JOB = "the job"
@@ -84,6 +81,7 @@ class Supervisor:
         self._chief_watch = None  # a host of ps tasks without the chief watches it
         self._liveness = LivenessWatch(config.liveness_timeout)
         self.view = None  # Metrics, events, the status page: from the start of the run.
+        self._scaler = None  # `kfit-ps scale` requests (a job with the chief here)
 
     def say(self, message):
         print(f"kfit-ps run: {message}", file=self.out, flush=True)
@@ -137,6 +135,8 @@ class Supervisor:
         os.makedirs(self.run_dir, exist_ok=True)
         self.say(f"{self.config!r}; logs in {self.run_dir}")
         self.view = JobView.open(self.config, self.run_dir, self.say)
+        if self.config.runs_chief:
+            self._scaler = Scaler(self.run_dir, self.say, self.view)
         if self.config.runs_chief and not self.config.backup_dir:
             self.say("no --backup-dir: if the chief or a ps is lost, the job starts over from "
                      "the beginning (unless the script uses kfit_ps.callbacks.BackupAndRestore)")
@@ -144,15 +144,8 @@ class Supervisor:
         if self.config.runs_chief:
             self._start_chief()
         else:
-            self._chief_watch = self._make_chief_watch()
+            self._chief_watch = chief_watch.for_host(self.cluster, self.config.tasks)
         self._write_tasks()
-
-    def _make_chief_watch(self):
-        config = self.cluster.config if self.cluster is not None else None
-        has_ps = any(t == constants.PS for t, _ in (self.config.tasks or ()))
-        if config is None or not has_ps or not config.num_tasks(constants.CHIEF):
-            return None
-        return ChiefWatch(config.address(constants.CHIEF, 0))
 
     def _start_servers(self):
         """Starts this host's servers; one that does not start serving in time is killed and
@@ -195,7 +188,8 @@ class Supervisor:
         env = chief_process.environment(tf_config, self.config.backup_dir,
                                         self.config.save_freq, self.run_dir,
                                         metrics_port=self.view.chief_metrics_port,
-                                        events=self.view.events_path)
+                                        events=self.view.events_path,
+                                        membership=self._scaler and self._scaler.directory)
         self.chief = chief_process.ChiefProcess(
             self.config.command, env, os.path.join(self.run_dir, "chief-0.log"), out=self.out)
         self.view.started_task(CHIEF, self.chief.pid)
@@ -215,6 +209,7 @@ class Supervisor:
                 self._start_chief_once_servers_serve()
                 self._restart_ps_when_the_chief_went_away()
                 self._kill_wedged_servers()
+                self._scale()
                 time.sleep(0.1)
                 continue
             decision = self.policy.decide(event, server_lost=self._server_lost)
@@ -230,6 +225,13 @@ class Supervisor:
             # RESTART_JOB; RESTART_TASK for a worker, or a ps on a host without the chief.
             task = JOB if decision.action is Action.RESTART_JOB else event.task
             self._due[task] = time.monotonic() + decision.delay
+
+    def _scale(self):
+        """Carries out a `kfit-ps scale` request (`launch.scaling`), never during a restart."""
+        if self._scaler and not (self._due or self._chief_due or self._stop_signal) and \
+                self._interruptible(self._scaler.poll, self.cluster, self.chief is not None
+                                    and self.chief.poll() is None):
+            self._write_tasks()
 
     def _stop_on_signal(self, signum):
         """SIGTERM: the chief saves and stops within `grace`; then everything stops."""

@@ -141,6 +141,28 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         return _tf_compat.track_coordinator(
             tf.distribute.experimental.coordinator.ClusterCoordinator(self))
 
+    def resize_workers(self, addresses):
+        """Trains on the workers at `addresses` from now on (elastic workers).
+
+        The variables stay on the ps tasks; a kept worker keeps its per-worker
+        datasets (its iterator continues), a new one builds its own, a removed
+        one is no longer used (stop its server afterwards). Call it with no
+        function in flight: between `fit`s, or let `fit` call it at a safe point
+        (`kfit_ps.training.elastic`, what `kfit-ps scale` drives). The new workers
+        must accept connections. Returns the new `ClusterCoordinator`.
+        """
+        addresses = tuple(addresses)
+        if not addresses or not all(isinstance(a, str) and ":" in a for a in addresses):
+            raise ValueError(
+                "ParameterServerStrategy.resize_workers: `addresses` must be a non-empty list "
+                f"of 'host:port' strings. Received: addresses={list(addresses)!r}.")
+        wait_for_servers({constants.WORKER: addresses, constants.PS: []},
+                         constants.startup_timeout())
+        coordinator = _tf_compat.resize_workers(self, addresses)
+        self._num_workers = len(addresses)
+        self._worker_addresses = addresses
+        return _tf_compat.track_coordinator(coordinator)
+
     @property
     def num_workers(self):
         """Number of worker tasks in the cluster."""

@@ -41,11 +41,15 @@ class _WorkerWatch:
     `WorkerStalledError` once a worker has accepted connections without answering for as
     long (a stopped or wedged process: its functions never finish)."""
 
-    def __init__(self, addresses, timeout):
-        self.addresses, self.timeout = list(addresses), timeout
+    def __init__(self, strategy):
+        self._strategy, self.timeout = strategy, strategy.worker_timeout
         self._all_down_since = None
         self._silent_since = {}
         self._next_probe = 0.0
+
+    @property
+    def addresses(self):  # Read each time: elastic workers change them (`training.elastic`).
+        return list(self._strategy.worker_addresses)
 
     def any_reachable(self):
         return any(net.accepts_connections(a) for a in self.addresses)
@@ -93,7 +97,7 @@ def join(strategy, cancel_when=None):
     waited for. Returns how many were dropped: the most recently scheduled ones.
     """
     coordinator = strategy.coordinator
-    watch = _WorkerWatch(strategy.worker_addresses, strategy.worker_timeout)
+    watch = _WorkerWatch(strategy)
     cancelled = None
     while True:
         if cancelled is None and cancel_when is not None and cancel_when():
@@ -111,7 +115,7 @@ def result_fetcher(strategy):
     worker, unless every worker is gone, which is `WorkersLostError` once the
     timeout has passed.
     """
-    watch = _WorkerWatch(strategy.worker_addresses, strategy.worker_timeout)
+    watch = _WorkerWatch(strategy)
 
     def fetch(remote_value):
         while not _tf_compat.remote_value_ready(remote_value, _WAIT_SLICE_SECONDS):

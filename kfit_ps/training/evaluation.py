@@ -21,7 +21,7 @@ import itertools
 
 import tensorflow as tf
 
-from kfit_ps.training import cluster_health, functions, inputs, metric_state
+from kfit_ps.training import cluster_health, elastic, functions, inputs, metric_state
 from kfit_ps.training.monitor import job_monitor
 from kfit_ps.training.scheduling import (metric_logs, per_worker_dataset,
                                          per_worker_iterator, quiet_options_warning,
@@ -59,13 +59,16 @@ class Evaluation:
 
     def run(self, callbacks):
         model, strategy = self.model, self.strategy
+        monitor = job_monitor()
+        workers = elastic.elastic()
+        if workers.pending(strategy):  # Nothing in flight before an evaluation: a safe point.
+            workers.apply(strategy, monitor)
         coordinator = strategy.coordinator
         fns = functions.for_model(model, strategy, "test_function")
         accumulator = metric_state.Accumulator(
             fns.metric_state, fetch=cluster_health.result_fetcher(strategy))
         model.reset_metrics()
         callbacks.on_test_begin()
-        monitor = job_monitor()
         monitor.watch(strategy)
         monitor.evaluation_begin()
         last = -1

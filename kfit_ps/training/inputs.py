@@ -280,6 +280,21 @@ def _traced_spec(creator):
         return creator(tf.distribute.InputContext()).element_spec
 
 
+
+def check_unsupported_fit_arguments(validation_split, class_weight):
+    """`fit` arguments that parameter-server training cannot honour: an error naming each."""
+    if validation_split:
+        raise ValueError(
+            "`validation_split` is not supported under parameter-server training: workers read "
+            f"their own data. Received: validation_split={validation_split!r}. Pass "
+            "`validation_data` (and `validation_steps` for a DatasetCreator) instead.")
+    if class_weight is not None:
+        raise ValueError(
+            "`class_weight` is not supported under parameter-server training. Received: "
+            f"class_weight={class_weight!r}. Add per-example weights to the dataset as "
+            "(x, y, sample_weight) instead.")
+
+
 def check_steps(name, value, required_because=None):
     """Validates a `steps`-like argument; returns it (None allowed unless required)."""
     if value is None:

@@ -17,6 +17,9 @@ Who owns what:
   and `kfit_ps.ledger.Ledger` records each split trained, re-run or lost.
 - **Scheduling**: `ceil(steps / steps_per_execution)` functions per epoch
   (`functions.ScheduledFunctions`), each running on whichever worker is free.
+- **Workers**: fixed, unless the launcher publishes others (`kfit-ps scale`):
+  then `training.elastic` moves the coordinator to them at a safe point, and the
+  steps dropped there are scheduled again.
 - **`join()`**: once per epoch, once per evaluation, and at each step where a
   `kfit_ps.callbacks.SyncCallback` asked for one (`callbacks.base.SyncPoints`);
   it is the only synchronisation. TensorFlow re-runs a function whose worker
@@ -43,8 +46,8 @@ from kfit_ps import _tf_compat, embeddings, validation
 from kfit_ps import ledger as data_ledger
 from kfit_ps.errors import Preempted, is_cluster_failure
 from kfit_ps.strategy import is_kfit_strategy
-from kfit_ps.training import (cluster_health, functions, inputs, metric_state, moving_averages,
-                              preemption, sharded_updates)
+from kfit_ps.training import (cluster_health, elastic, functions, inputs, metric_state,
+                              moving_averages, preemption, sharded_updates)
 from kfit_ps.training.monitor import job_monitor, table_stats
 from kfit_ps.training.evaluation import Evaluation
 from kfit_ps.training.scheduling import metric_logs, per_worker_iterator, schedule_steps
@@ -157,16 +160,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
         validation_batch_size=None, validation_freq=1):
     """Parameter-server `Model.fit`; same arguments and return value as Keras'."""
     strategy = strategy_for(model)
-    if validation_split:
-        raise ValueError(
-            "`validation_split` is not supported under parameter-server training: workers read "
-            f"their own data. Received: validation_split={validation_split!r}. Pass "
-            "`validation_data` (and `validation_steps` for a DatasetCreator) instead.")
-    if class_weight is not None:
-        raise ValueError(
-            "`class_weight` is not supported under parameter-server training. Received: "
-            f"class_weight={class_weight!r}. Add per-example weights to the dataset as "
-            "(x, y, sample_weight) instead.")
+    inputs.check_unsupported_fit_arguments(validation_split, class_weight)
     epochs = validation.check_int("epochs", epochs, 0)
     initial_epoch = validation.check_int("initial_epoch", initial_epoch, 0)
     validation_freq = validation.check_int("validation_freq", validation_freq, 1)
@@ -192,6 +186,11 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
     callbacks = with_launcher_backup(callbacks)
     prepare(model, strategy, train_input.element_spec, "fit")
 
+    monitor = job_monitor()
+    workers = elastic.elastic()
+    if workers.pending(strategy):  # Between fits nothing is in flight: a safe point.
+        workers.apply(strategy, monitor)
+    interrupted = lambda: preemption.requested() or workers.pending(strategy)  # noqa: E731
     fns = functions.for_model(model, strategy, "train_function")
     coordinator = strategy.coordinator
     if source is None:  # A stream: each worker's own repeated pipeline.
@@ -200,14 +199,13 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
     else:
         ledger = _one_pass_ledger(model, strategy, source)
         train = functools.partial(fns.train_split, ledger=ledger)
-        data = source.worker_data(coordinator)
+        data = _tf_compat.track_per_worker(source.worker_data(coordinator))
     callbacks = CallbackList(callbacks, add_history=True, add_progbar=False, model=model,
                              verbose=verbose, epochs=epochs, steps=steps_per_epoch)
     sync = SyncPoints(callbacks.callbacks, steps_per_epoch,
                       ledger.state() if ledger is not None else None)
     progress = Progress(verbose, epochs, steps_per_epoch)
     iterations = model.optimizer.iterations if model.optimizer is not None else None
-    monitor = job_monitor()
     observe = functools.partial(monitor.expect, examples=inputs.static_batch_size(train_input))
 
     try:
@@ -249,21 +247,29 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
             with progress.joining():
                 step = first
                 for stop in sync.stops(epoch, first):
-                    sizes = schedule_steps(
-                        coordinator, step, stop, model.steps_per_execution, train, args,
-                        callbacks.on_train_batch_begin, callbacks.on_train_batch_end, accumulator,
-                        should_stop=preemption.requested, observe=observe)
-                    # On SIGTERM, functions no worker started are dropped: the newest ones.
-                    cancelled = cluster_health.join(strategy, cancel_when=preemption.requested)
-                    accumulator.discard_newest(cancelled)
-                    if ledger is not None:
-                        ledger.dispatched(step, sizes)
-                        ledger.joined(cancelled)
+                    hooked = step  # Batch hooks were called for the steps before this one.
+                    while True:
+                        sizes = schedule_steps(
+                            coordinator, step, stop, model.steps_per_execution, train, args,
+                            callbacks.on_train_batch_begin, callbacks.on_train_batch_end,
+                            accumulator, should_stop=interrupted, observe=observe, hooked=hooked)
+                        hooked = max(hooked, step + sum(sizes))
+                        # On SIGTERM or new workers, functions no worker started are dropped:
+                        # the newest ones.
+                        cancelled = cluster_health.join(strategy, cancel_when=interrupted)
+                        accumulator.discard_newest(cancelled)
+                        if ledger is not None:
+                            ledger.dispatched(step, sizes)
+                            ledger.joined(cancelled)
+                        step += sum(sizes[:len(sizes) - cancelled])
+                        if preemption.requested() or not workers.pending(strategy):
+                            break
+                        # A safe point: nothing in flight. The dropped steps run on the new set.
+                        coordinator = workers.apply(strategy, monitor)
                     accumulator.commit()
                     logs = metric_logs(model)
-                    reached = step + sum(sizes[:len(sizes) - cancelled])
-                    if reached < stop:
-                        _stop_preempted(sync, epoch, reached, logs, steps_per_epoch)
+                    if step < stop:
+                        _stop_preempted(sync, epoch, step, logs, steps_per_epoch)
                     callbacks.on_train_batch_end(stop - 1, dict(logs))
                     sync.synchronised(epoch, stop, dict(logs))
                     step = stop

@@ -108,6 +108,8 @@ class JobMonitor:
         self._rss = {}  # ps task -> resident bytes at the last sample
         self._stop = None
         self._thread = None
+        self._workers = []
+        self._joined = {}  # worker task -> when the chief took it, until its first function ends
 
     # Scheduled functions ------------------------------------------------------------------
 
@@ -132,6 +134,11 @@ class JobMonitor:
     def _finished(self, worker_index, remote_value, seconds):
         task = _task(constants.WORKER, worker_index)
         with self._lock:
+            joined = self._joined.pop(task, None)
+            if joined is not None:
+                self.event("first_step", task, f"{task} finished its first function "
+                           f"{time.monotonic() - joined:.2f} s after the chief took it",
+                           seconds=round(time.monotonic() - joined, 3))
             steps, examples, phase = self._expected.pop(id(remote_value), (None, None, None))
             if phase == "train":
                 self._steps[task] += steps
@@ -161,7 +168,7 @@ class JobMonitor:
                    epochs=epochs, steps_per_epoch=steps_per_epoch)
         self._ps = {_task(constants.PS, i): f"/job:ps/replica:0/task:{i}/device:CPU:0"
                     for i in range(strategy.num_ps)}
-        workers = [_task(constants.WORKER, i) for i in range(strategy.num_workers)]
+        self._workers = workers = [_task(constants.WORKER, i) for i in range(strategy.num_workers)]
         quotas = self.diagnosis.quota
         self.diagnosis = diagnosis.Diagnosis()
         self.diagnosis.quota = quotas
@@ -169,7 +176,7 @@ class JobMonitor:
             self._steps.setdefault(task, 0)
         self._quotas()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample_loop, args=(self._stop, workers),
+        self._thread = threading.Thread(target=self._sample_loop, args=(self._stop,),
                                         name="kfit_ps-monitor", daemon=True)
         self._thread.start()
 
@@ -210,11 +217,25 @@ class JobMonitor:
             if cpu_max and cpu_max.split()[0] != "max":
                 self.diagnosis.quota[task] = quota
 
-    def _sample_loop(self, stop, workers):
+    def workers_changed(self, strategy, before, reason):
+        """The coordinator's workers changed (`kfit_ps.training.elastic`): observe the new
+        coordinator, sample the new workers, forget the removed ones."""
+        self.watch(strategy)
+        self._workers = [_task(constants.WORKER, i) for i in range(strategy.num_workers)]
+        with self._lock:
+            for task in set(self._workers) - set(before):
+                self._joined[task] = time.monotonic()
+        for task in set(before) - set(self._workers):
+            self.diagnosis.steps.forget(task)
+            self.diagnosis.busy.forget(task)
+        self.event("workers", None, reason, workers=strategy.num_workers,
+                   addresses=list(strategy.worker_addresses))
+
+    def _sample_loop(self, stop):
         interval = constants.diagnosis_interval()
         while not stop.wait(interval):
             try:
-                self._sample(workers)
+                self._sample(list(self._workers))
             except Exception as e:  # noqa: BLE001 - diagnosis must never stop training
                 log.debug("kfit_ps: monitor sample failed: %s", e)
 

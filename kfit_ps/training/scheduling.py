@@ -78,19 +78,19 @@ def per_worker_iterator(strategy, worker_input):
     coordinator = strategy.coordinator
     if not _iterates_directly(strategy, worker_input):
         if worker_input.dataset is not None:
-            return iter(coordinator.create_per_worker_dataset(
-                strategy.experimental_distribute_dataset(worker_input.dataset)))
-        return iter(coordinator.create_per_worker_dataset(
+            return _tf_compat.track_per_worker(iter(coordinator.create_per_worker_dataset(
+                strategy.experimental_distribute_dataset(worker_input.dataset))))
+        return _tf_compat.track_per_worker(iter(coordinator.create_per_worker_dataset(
             lambda: strategy.distribute_datasets_from_function(worker_input.dataset_fn,
-                                                               worker_input.options)))
+                                                               worker_input.options))))
     if worker_input.dataset is not None:
-        return iter(coordinator.create_per_worker_dataset(
-            without_autotune_sleep(worker_input.dataset)))
+        return _tf_compat.track_per_worker(iter(coordinator.create_per_worker_dataset(
+            without_autotune_sleep(worker_input.dataset))))
     # What `distribute_datasets_from_function` gives a worker: one pipeline of its own.
     context = tf.distribute.InputContext(num_replicas_in_sync=strategy.num_replicas_in_sync)
     creator = worker_input.dataset_fn
-    return iter(coordinator.create_per_worker_dataset(
-        lambda: without_autotune_sleep(creator(context))))
+    return _tf_compat.track_per_worker(iter(coordinator.create_per_worker_dataset(
+        lambda: without_autotune_sleep(creator(context)))))
 
 
 @_quiet_options_warning
@@ -107,12 +107,13 @@ def per_worker_dataset(strategy, worker_input, num_shards):
         policy = _tf_compat.shard_policy(worker_input.dataset, num_shards)
         distributed = strategy.experimental_distribute_dataset(
             _tf_compat.with_shard_policy(worker_input.dataset, policy))
-        return coordinator.create_per_worker_dataset(distributed).build(), policy
+        return _tf_compat.track_per_worker(
+            coordinator.create_per_worker_dataset(distributed).build()), policy
     creator = worker_input.dataset_fn
     policy = _tf_compat.shard_policy(worker_input.sample, num_shards)
     dataset = coordinator.create_per_worker_dataset(lambda: _tf_compat.with_shard_policy(
         creator(tf.distribute.InputContext()), policy)).build()
-    return dataset, policy
+    return _tf_compat.track_per_worker(dataset), policy
 
 
 def _pythonify(logs):
@@ -132,7 +133,7 @@ def metric_logs(model):
 
 
 def schedule_steps(coordinator, start, stop, k, function_for, args, on_begin, on_end,
-                   accumulator, should_stop=lambda: False, observe=None):
+                   accumulator, should_stop=lambda: False, observe=None, hooked=0):
     """Schedules steps `start..stop-1` in functions of at most `k` steps.
 
     `args`: the functions' arguments, or a function of the first step that
@@ -140,13 +141,16 @@ def schedule_steps(coordinator, start, stop, k, function_for, args, on_begin, on
     final end, which the caller makes after synchronising. Each function's
     returned metric state goes to `accumulator`. When `should_stop()` turns
     true, nothing more is scheduled. `observe(remote_value, steps)`, when
-    given, hears of each function scheduled (`monitor.JobMonitor.expect`).
+    given, hears of each function scheduled (`monitor.JobMonitor.expect`). Functions
+    starting before step `hooked` are scheduled again (they were dropped before they
+    ran: `training.elastic`) and call no batch hook: those hooks were called already.
     Returns the number of steps of each function scheduled, in order.
     """
     step, sizes = start, []
     while step < stop and not should_stop():
         n = min(k, stop - step)
-        on_begin(step)
+        if step >= hooked:
+            on_begin(step)
         call_args = args(step) if callable(args) else args
         remote_value = coordinator.schedule(function_for(n), args=call_args)
         if observe is not None:
@@ -154,6 +158,6 @@ def schedule_steps(coordinator, start, stop, k, function_for, args, on_begin, on
         accumulator.add(remote_value)
         sizes.append(n)
         step += n
-        if step < stop:
+        if step < stop and step - n >= hooked:
             on_end(step - 1, {})
     return sizes

@@ -1,0 +1,163 @@
+"""Workers that join and leave a running `fit` (`kfit-ps scale`), on real servers."""
+
+import collections
+import json
+import os
+import textwrap
+import time
+
+import pytest
+import tensorflow as tf
+
+import kfit_ps
+from kfit_ps import _tf_compat, membership
+from tests import helpers
+from tests.test_launcher import Job
+from tests.test_observability import read_events, wait_for_event
+
+STEPS = 4000
+BATCH = 64
+
+# One fit of STEPS steps. Until the file argv[1] exists, the chief schedules one step every
+# 20 ms, so that the fit outlasts the scaling the test drives; then it runs at full speed.
+ELASTIC = textwrap.dedent(f"""
+    import json, os, sys, time
+    import keras, kfit_ps
+    import tensorflow as tf
+    from tests import helpers as h
+
+    release = sys.argv[1]
+    strategy = kfit_ps.ParameterServerStrategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(64, activation="relu"),
+                                  keras.layers.Dense(1)])
+        model.compile("adam", "mse", metrics=[h.counting_metric()])
+
+    def data(context):
+        x = tf.random.stateless_normal((4096, 8), seed=(1, 2))
+        y = tf.reduce_sum(x, axis=1, keepdims=True)
+        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch({BATCH})
+
+    class Paced(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if not os.path.exists(release):
+                time.sleep(0.02)
+
+    history = model.fit(kfit_ps.DatasetCreator(data), epochs=1, steps_per_epoch={STEPS},
+                        verbose=0, callbacks=[Paced()])
+    print("RESULT " + json.dumps({{"iterations": int(model.optimizer.iterations.numpy()),
+                                  "batches": history.history["batches"][-1]}}), flush=True)
+""")
+
+
+def scale(job, workers):
+    kfit_ps.scale(str(job.run_dir), workers)
+
+
+@pytest.mark.slow
+def test_workers_join_and_leave_a_running_fit_without_losing_a_step(tmp_path):
+    release = tmp_path / "release"
+    job = Job(tmp_path, "--workers", "2", "--ps", "1", script=ELASTIC, script_args=(release,))
+    with job.running():
+        wait_for_event(job, lambda e: e["event"] == "fit_begin", 180)
+        time.sleep(2)
+        scale(job, 4)
+        for task in ("worker:2", "worker:3"):
+            wait_for_event(job, lambda e, t=task: e["event"] == "first_step" and e["task"] == t,
+                           60)
+        scale(job, 2)
+        for task in ("worker:2", "worker:3"):
+            wait_for_event(job, lambda e, t=task: e["event"] == "task_removed"
+                           and e["task"] == t, 60)
+        release.write_text("")
+        status = job.finish()
+    assert status == 0, "\n".join(job.lines[-60:])
+    # Every step ran once: no step lost by draining the leaving workers, none run twice.
+    assert job.result() == {"iterations": STEPS, "batches": float(STEPS)}
+    events = read_events(job)
+    ready = {e["task"]: e["time"] for e in events if e["event"] == "worker_ready"}
+    first = {e["task"]: e["time"] for e in events if e["event"] == "first_step"}
+    assert set(ready) == set(first) == {"worker:2", "worker:3"}, events
+    for task in ready:  # A new worker's first step within 10 s of its server answering.
+        assert first[task] - ready[task] <= 10.0, (task, ready[task], first[task])
+    kinds = [e["event"] for e in events]
+    workers = [e["workers"] for e in events if e["event"] == "workers"]
+    assert workers == [4, 2], events
+    # The leaving workers stopped on purpose: neither lost nor restarted.
+    assert not [e for e in events if e["event"] in ("task_lost", "restart")], events
+    assert kinds.index("task_removed") > max(i for i, k in enumerate(kinds) if k == "workers")
+    output = "\n".join(job.lines)
+    assert "[chief] kfit_ps: now training on 4 workers (was 2;" in output
+    assert "worker:2, worker:3 stopped: the job has 2 workers" in output
+    assert job.left_running() == []
+
+
+def test_a_resized_coordinator_keeps_variables_and_each_kept_workers_iterator():
+    """`_tf_compat.resize_workers` through the strategy: two workers become three, then one."""
+    with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+        with strategy.scope():
+            total = tf.Variable(0.0)
+        iterator = _tf_compat.track_per_worker(iter(strategy.coordinator.create_per_worker_dataset(
+            lambda: tf.data.Dataset.range(1_000_000))))
+
+        @tf.function
+        def step(iterator):
+            total.assign_add(1.0)
+            return next(iterator)
+
+        def run(n):
+            coordinator = strategy.coordinator
+            results = [coordinator.schedule(step, args=(iterator,)) for _ in range(n)]
+            coordinator.join()
+            return collections.Counter(int(r.fetch()) for r in results)
+
+        before = run(100)
+        assert sum(before.values()) == 100
+        cluster.resize_workers(3)
+        strategy.resize_workers(cluster.config.cluster["worker"])
+        assert strategy.num_workers == 3 and len(_tf_compat.worker_addresses()) == 3
+        after = run(300)
+        # The new worker's iterator starts at 0; the kept ones continue past their last element.
+        assert after[0] == 1, after
+        assert total.numpy() == 400.0
+        strategy.resize_workers(cluster.config.cluster["worker"][:1])
+        cluster.resize_workers(1)
+        assert run(50) and total.numpy() == 450.0
+        assert strategy.worker_addresses == tuple(cluster.config.cluster["worker"])
+        # A worker restarted after the resize gets its iterator rebuilt by the new coordinator.
+        cluster.kill("worker", 0)
+        cluster.restart("worker", 0)
+        assert sum(run(50).values()) == 50 and total.numpy() == 500.0
+
+
+def test_scale_requests_and_worker_lists_are_published_data_then_marker(tmp_path):
+    directory = tmp_path / membership.DIR_NAME
+    directory.mkdir()
+    assert membership.take_request(str(directory)) is None
+    membership.request_scale(str(tmp_path), 4)
+    membership.request_scale(str(tmp_path), 3)
+    (directory / "request-99999999999999999999.json").write_text('{"workers": 9}')  # no marker
+    assert membership.take_request(str(directory)) == 3  # The newest published one.
+    assert membership.take_request(str(directory)) is None
+    assert membership.latest(str(directory)) is None
+    membership.publish(str(directory), 1, ["a:1", "b:2"])
+    membership.publish(str(directory), 2, ["a:1"])
+    (directory / "00000003.json").write_text(json.dumps({"generation": 3, "workers": []}))
+    assert membership.latest(str(directory)) == (2, ["a:1"])
+    assert not membership.applied(str(directory), 2)
+    membership.acknowledge(str(directory), 2)
+    assert membership.applied(str(directory), 1) and membership.applied(str(directory), 2)
+
+
+def test_bad_scale_requests_name_the_argument_and_say_what_to_do(tmp_path):
+    with pytest.raises(ValueError, match=r"`workers` must be an integer >= 1.*workers=0"):
+        kfit_ps.scale(str(tmp_path), 0)
+    with pytest.raises(ValueError, match=r"not the run directory.*--run-dir"):
+        kfit_ps.scale(str(tmp_path), 2)
+    [(status, err), (status2, err2)] = helpers.cli_failures([
+        (("scale", "--run-dir", str(tmp_path), "--workers", "2"), None),
+        (("scale", "--run-dir", str(tmp_path)), None)])
+    assert status == 2 and "is not the run directory of a job" in err
+    assert status2 == 2 and "--workers" in err2
+    assert not os.listdir(tmp_path)
