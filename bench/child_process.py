@@ -47,3 +47,12 @@ def write_json(path, result):
     if path:
         with open(path, "w") as f:
             json.dump(result, f, indent=2)
+
+
+def events(run_dir):
+    """The event log (`events.jsonl`) of a `kfit-ps run` job so far; [] before it exists."""
+    try:
+        with open(os.path.join(run_dir, "events.jsonl")) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except OSError:
+        return []

@@ -69,18 +69,10 @@ def parse_args():
     return parser.parse_args()
 
 
-def events(run_dir):
-    try:
-        with open(os.path.join(run_dir, "events.jsonl")) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except OSError:
-        return []
-
-
 def wait_event(run_dir, predicate, timeout=120):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = [e for e in events(run_dir) if predicate(e)]
+        found = [e for e in child_process.events(run_dir) if predicate(e)]
         if found:
             return found[-1]
         time.sleep(0.2)

@@ -1,7 +1,7 @@
 """Recovery time of a `kfit-ps run` job, per failure kind, and ps memory over chief restarts.
 
 One supervised job (2 workers, 1 ps, a small dense model, `--backup-dir` with a backup every
-`--save-freq` steps) prints `STEP <iterations> <unix time>` at every synchronisation. This
+`--save-freq` steps, `--ps-recovery restart`: a ps loss restarts the job) prints `STEP <iterations> <unix time>` at every synchronisation. This
 script SIGKILLs one task at a time, after the job has made progress, and measures the time
 from the kill to the first finished step after it (the next `STEP` line stamped after the
 kill). Kinds alternate (worker, ps, chief, worker, ...) and each is repeated `--repeats`
@@ -78,7 +78,8 @@ class Job:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kfit_ps.cli.main", "run", "--workers", "2", "--ps", "1",
              "--run-dir", self.run_dir, "--backup-dir", os.path.join(workdir, "backup"),
-             "--save-freq", str(save_freq), "--max-restarts", str(max_restarts), "--",
+             "--save-freq", str(save_freq), "--max-restarts", str(max_restarts),
+             "--ps-recovery", "restart", "--",
              sys.executable, script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, env=env, start_new_session=True)
 

@@ -35,6 +35,7 @@ and `LocalCluster` passes the environment on to its servers.
 | `KFIT_PS_EVENTS` | unset | the chief appends its events (JSON lines) to this local file; set by `kfit-ps run` to `events.jsonl` in the run directory |
 | `KFIT_PS_DIAGNOSIS_INTERVAL` | `3` | seconds between the chief's samples of per-worker steps and per-ps CPU (straggler and hot-ps diagnosis) |
 | `KFIT_PS_MONITOR` | `1` | `0`: the chief keeps no metrics, events or diagnosis (`kfit_ps.training.monitor`) |
+| `KFIT_PS_PS_RECOVERY` | `restart` | set by `kfit-ps run --ps-recovery` in the chief: `in-place` restores a lost ps' variables from the last backup in the same chief process (`kfit_ps.training.ps_recovery`); `restart`: `fit` raises `ParameterServerError` and the job restarts |
 | `KFIT_PS_MEMBERSHIP` | unset | set by `kfit-ps run` in the chief: the directory where the launcher publishes the job's worker list (`kfit_ps.membership`); `fit` takes a new list at its next safe point |
 | `TF_CPP_MIN_LOG_LEVEL` | servers: `1` | TensorFlow's own C++ log filter (servers log to their files); set it to override |
 """
@@ -71,6 +72,8 @@ EVENTS_ENV = "KFIT_PS_EVENTS"
 DIAGNOSIS_INTERVAL_ENV = "KFIT_PS_DIAGNOSIS_INTERVAL"
 MONITOR_ENV = "KFIT_PS_MONITOR"
 MEMBERSHIP_ENV = "KFIT_PS_MEMBERSHIP"
+PS_RECOVERY_ENV = "KFIT_PS_PS_RECOVERY"
+PS_RECOVERY_MODES = ("in-place", "restart")
 
 DEFAULT_STARTUP_TIMEOUT = 120.0
 DEFAULT_PARENT_POLL = 0.5
@@ -259,3 +262,8 @@ def monitor_enabled():
 def membership_dir():
     """The launcher's worker-list directory (`KFIT_PS_MEMBERSHIP`), or None."""
     return os.environ.get(MEMBERSHIP_ENV) or None
+
+
+def ps_recovery_in_place():
+    """Whether a lost ps is restored in the same chief process (`KFIT_PS_PS_RECOVERY`)."""
+    return os.environ.get(PS_RECOVERY_ENV) == "in-place"

@@ -142,7 +142,6 @@ def test_capacity_bounds_rows_held_on_every_ps(strategy):
 
 
 def test_age_evicts_ids_not_seen_for_max_age_steps(strategy):
-    import keras
     import kfit_ps
 
     with strategy.scope():

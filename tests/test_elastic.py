@@ -1,16 +1,14 @@
 """Workers that join and leave a running `fit` (`kfit-ps scale`), on real servers."""
 
-import collections
 import json
 import os
 import textwrap
 import time
 
 import pytest
-import tensorflow as tf
 
 import kfit_ps
-from kfit_ps import _tf_compat, membership
+from kfit_ps import membership
 from tests import helpers
 from tests.test_launcher import Job
 from tests.test_observability import read_events, wait_for_event
@@ -93,42 +91,57 @@ def test_workers_join_and_leave_a_running_fit_without_losing_a_step(tmp_path):
 
 
 def test_a_resized_coordinator_keeps_variables_and_each_kept_workers_iterator():
-    """`_tf_compat.resize_workers` through the strategy: two workers become three, then one."""
-    with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
-        strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
-        with strategy.scope():
-            total = tf.Variable(0.0)
-        iterator = _tf_compat.track_per_worker(iter(strategy.coordinator.create_per_worker_dataset(
-            lambda: tf.data.Dataset.range(1_000_000))))
+    """`_tf_compat.resize_workers` through the strategy: two workers become three, then one.
 
-        @tf.function
-        def step(iterator):
-            total.assign_add(1.0)
-            return next(iterator)
+    In a chief process of its own: a process's eager context serves one cluster.
+    """
+    result = helpers.run_chief("""
+        import collections
+        from kfit_ps import _tf_compat
 
-        def run(n):
-            coordinator = strategy.coordinator
-            results = [coordinator.schedule(step, args=(iterator,)) for _ in range(n)]
-            coordinator.join()
-            return collections.Counter(int(r.fetch()) for r in results)
+        with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+            strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+            with strategy.scope():
+                total = tf.Variable(0.0)
+            iterator = _tf_compat.track_per_worker(iter(
+                strategy.coordinator.create_per_worker_dataset(
+                    lambda: tf.data.Dataset.range(1_000_000))))
 
-        before = run(100)
-        assert sum(before.values()) == 100
-        cluster.resize_workers(3)
-        strategy.resize_workers(cluster.config.cluster["worker"])
-        assert strategy.num_workers == 3 and len(_tf_compat.worker_addresses()) == 3
-        after = run(300)
-        # The new worker's iterator starts at 0; the kept ones continue past their last element.
-        assert after[0] == 1, after
-        assert total.numpy() == 400.0
-        strategy.resize_workers(cluster.config.cluster["worker"][:1])
-        cluster.resize_workers(1)
-        assert run(50) and total.numpy() == 450.0
-        assert strategy.worker_addresses == tuple(cluster.config.cluster["worker"])
-        # A worker restarted after the resize gets its iterator rebuilt by the new coordinator.
-        cluster.kill("worker", 0)
-        cluster.restart("worker", 0)
-        assert sum(run(50).values()) == 50 and total.numpy() == 500.0
+            @tf.function
+            def step(iterator):
+                total.assign_add(1.0)
+                return next(iterator)
+
+            def run(n):
+                coordinator = strategy.coordinator
+                results = [coordinator.schedule(step, args=(iterator,)) for _ in range(n)]
+                coordinator.join()
+                return collections.Counter(int(r.fetch()) for r in results)
+
+            out = {"before": sum(run(100).values())}
+            cluster.resize_workers(3)
+            strategy.resize_workers(cluster.config.cluster["worker"])
+            out["three"] = [strategy.num_workers, len(_tf_compat.worker_addresses())]
+            after = run(300)
+            out["after_zero"], out["after_total"] = after[0], float(total.numpy())
+            strategy.resize_workers(cluster.config.cluster["worker"][:1])
+            cluster.resize_workers(1)
+            out["one"] = [sum(run(50).values()), float(total.numpy())]
+            out["addresses_agree"] = (
+                strategy.worker_addresses == tuple(cluster.config.cluster["worker"]))
+            cluster.kill("worker", 0)
+            cluster.restart("worker", 0)
+            out["restarted"] = [sum(run(50).values()), float(total.numpy())]
+        report(**out)
+        os._exit(0)
+    """)
+    assert result["before"] == 100, result["_stderr"][-3000:]
+    assert result["three"] == [3, 3]
+    # The new worker's iterator starts at 0; the kept ones continue past their last element.
+    assert result["after_zero"] == 1 and result["after_total"] == 400.0
+    assert result["one"] == [50, 450.0] and result["addresses_agree"]
+    # A worker restarted after the resize gets its iterator rebuilt by the new coordinator.
+    assert result["restarted"] == [50, 500.0]
 
 
 def test_scale_requests_and_worker_lists_are_published_data_then_marker(tmp_path):

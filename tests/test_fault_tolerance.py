@@ -183,7 +183,6 @@ os._exit(0)
 def test_leaving_the_cluster_while_a_worker_recovers_never_crashes():
     """The chief segfaulted (1 run in 5 here, under load) when `LocalCluster.stop()` updated the
     eager cluster while TensorFlow's coordinator was recovering a restarted worker."""
-    import subprocess
     import sys
 
     burners = [helpers.popen([sys.executable, "-c", "import time\nend = time.time() + 150\n"

@@ -33,6 +33,19 @@ def test_decisions(task, status, server_lost, action):
         assert decision.exit_status == status and "not retried" in decision.reason
 
 
+def test_a_lost_ps_with_the_chief_running_restores_in_place_and_counts_against_its_budget():
+    policy = RestartPolicy(max_restarts=1)
+    first = policy.decide(TaskExit("ps:1", -9, "last line"), ps_in_place=True)
+    assert first.action is Action.RESTART_TASK and first.delay == 1.0
+    assert "restores its variables in place" in first.reason
+    assert policy.decide(TaskExit("ps:1", -9, ""), ps_in_place=True).action is Action.FAIL
+    # The chief then failing with a cluster error (it could not restore): the job restarts.
+    assert decide(policy, "chief:0", EXIT_CLUSTER_ERROR).action is Action.RESTART_JOB
+    assert LaunchConfig(command=("x",)).ps_recovery == "in-place"
+    with pytest.raises(ValueError, match="--ps-recovery.*Received: ps_recovery='later'"):
+        LaunchConfig(command=("x",), ps_recovery="later")
+
+
 def test_restarts_back_off_and_are_limited_per_task():
     policy = RestartPolicy(max_restarts=3, backoff=1.0, max_backoff=3.0)
     delays = [decide(policy, "worker:0", -9).delay for _ in range(3)]

@@ -113,8 +113,10 @@ def step_of(line):
 def test_a_job_survives_sigkill_of_a_worker_a_ps_and_the_chief(tmp_path):
     epochs, steps, spe = 4, 500, 5
     total = epochs * steps
+    # The whole-job restart after a ps loss, the fallback of in-place recovery, chosen here.
     job = Job(tmp_path, "--workers", "2", "--ps", "1", "--backup-dir", str(tmp_path / "backup"),
-              "--save-freq", "50", "--max-restarts", "2", script_args=(epochs, steps, spe))
+              "--save-freq", "50", "--max-restarts", "2", "--ps-recovery", "restart",
+              script_args=(epochs, steps, spe))
     rng = random.Random(1234)
     victims = ["worker:1", "ps:0", "chief:0"]
     rng.shuffle(victims)

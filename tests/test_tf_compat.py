@@ -192,6 +192,20 @@ def test_private_apis_of_this_issue_still_exist():
         cluster_coordinator.ClusterCoordinator.__new__)
     from tensorflow.core.protobuf import tensorflow_server_pb2
     assert "cluster_device_filters" in tensorflow_server_pb2.ServerDef.DESCRIPTOR.fields_by_name
+    # What `ps_restore` (in-place ps recovery) relies on.
+    from keras.src.saving import saving_lib
+    from tensorflow.python.distribute.coordinator import values as coordinator_values
+    from tensorflow.python.ops import resource_variable_ops
+    assert list(inspect.signature(
+        resource_variable_ops._variable_handle_from_shape_and_dtype).parameters)[:5] == [
+            "shape", "dtype", "shared_name", "name", "graph_mode"]
+    variable_source = inspect.getsource(resource_variable_ops.BaseResourceVariable)
+    for name in ("self._handle =", "self._cached_value =", "self._handle_name ="):
+        assert name in variable_source, name
+    assert "safe_get_h5_dataset(self._h5_entry_group, key)" in inspect.getsource(
+        saving_lib.H5IOStore.__getitem__)
+    remote_source = inspect.getsource(coordinator_values.RemoteValueImpl)
+    assert "def _set_error" in remote_source and "self._error = error" in remote_source
 
 
 def test_print_msg_honours_keras_interactive_logging(capsys):

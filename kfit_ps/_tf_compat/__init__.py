@@ -12,6 +12,7 @@ from kfit_ps._tf_compat.versions import SUPPORTED, check_versions
 from kfit_ps._tf_compat.autograph_files import remove_autograph_files
 from kfit_ps._tf_compat.closure_hook import observe_closures
 from kfit_ps._tf_compat.worker_set import resize_workers, track_per_worker, worker_addresses
+from kfit_ps._tf_compat import ps_restore
 from kfit_ps._tf_compat.eager_context import (
     forget_servers,
     track_coordinator,
@@ -61,6 +62,7 @@ from kfit_ps._tf_compat.keras_trainer import (
 __all__ = [
     "observe_closures",
     "resize_workers",
+    "ps_restore",
     "track_per_worker",
     "worker_addresses",
     "CachedReadScope",

@@ -32,7 +32,8 @@ def observe_closures(coordinator, on_done):
             original(closure)
             ref = getattr(closure, "_output_remote_value_ref", None)
             value = ref() if ref is not None else None
-            if value is not None and getattr(value, "_status", None) is _READY:
+            if value is not None and getattr(value, "_status", None) is _READY and getattr(
+                    value, "_error", None) is None:  # (a failed function is READY too)
                 on_done(worker.worker_index, value, time.perf_counter() - start)
 
         worker._process_closure = process

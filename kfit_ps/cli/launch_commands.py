@@ -85,7 +85,8 @@ def cmd_run(args, parser):
                               healthy_period=args.healthy_period,
                               liveness_timeout=args.liveness_timeout,
                               status_port=args.status_port,
-                              status_address=args.status_address)
+                              status_address=args.status_address,
+                              ps_recovery=args.ps_recovery)
     except ValueError as e:
         parser.error(str(e))
     return Supervisor(config).run()
@@ -203,6 +204,10 @@ def add_parsers(sub):
     run.add_argument("--status-address", default="127.0.0.1",
                      help="address the status page listens on (default 127.0.0.1: this "
                           "machine only; 0.0.0.0 lets a scraper on another host in)")
+    run.add_argument("--ps-recovery", choices=("in-place", "restart"), default="in-place",
+                     help="a lost ps: 'in-place' (default) restarts it and the chief restores "
+                          "its variables from the last backup, the rest keeping their state; "
+                          "'restart' restarts the whole job from the last backup")
     run.add_argument("--isolated", action="store_true",
                      help="run the job in a private network namespace (loopback only); the "
                           "script then cannot reach remote data or gs://")

@@ -90,6 +90,6 @@ def _train_and_evaluate(config, workdir):
         results = model.evaluate(test, return_dict=True, verbose=0)
         results["iterations"] = int(model.optimizer.iterations.numpy())
     results["seconds"] = time.monotonic() - started
-    print(f"held-out: auc={results['auc']:.3f} loss={results['loss']:.3f} "
+    print(f"held-out: auc={results['auc']:.4f} loss={results['loss']:.3f} "
           f"(steps trained: {results['iterations']}, {results['seconds']:.1f}s)", flush=True)
     return results

@@ -86,7 +86,7 @@ class ChiefProcess:
 
 
 def environment(tf_config, backup_dir=None, save_freq="epoch", run_dir=None, metrics_port=None,
-                events=None, membership=None):
+                events=None, membership=None, ps_recovery="restart"):
     """The chief's environment: this process's, plus what the launcher tells it (where to
     serve its metrics and append its events, where it publishes the job's workers)."""
     env = dict(os.environ)
@@ -103,7 +103,18 @@ def environment(tf_config, backup_dir=None, save_freq="epoch", run_dir=None, met
         env[constants.METRICS_PORT_ENV] = str(metrics_port)
     if events:
         env[constants.EVENTS_ENV] = str(events)
+    env[constants.PS_RECOVERY_ENV] = ps_recovery
     env.pop(constants.MEMBERSHIP_ENV, None)
     if membership:
         env[constants.MEMBERSHIP_ENV] = str(membership)
     return env
+
+
+def remove_backups(backup_dir):
+    """The script succeeded (exit 0): its backups in `backup_dir` are no longer needed."""
+    if not backup_dir:
+        return
+    import tensorflow as tf  # Only here: the supervisor starts without TensorFlow.
+
+    if tf.io.gfile.exists(backup_dir):
+        tf.io.gfile.rmtree(backup_dir)

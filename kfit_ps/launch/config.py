@@ -45,6 +45,12 @@ class LaunchConfig:
         status_address: address the status page listens on. Defaults to
             "127.0.0.1" (this machine only); "0.0.0.0" lets a scraper in (the
             Kubernetes manifests do, behind their NetworkPolicy).
+        ps_recovery: what a lost ps costs. `"in-place"`: the launcher restarts it
+            and the chief restores its variables from the last backup in the same
+            process, the other ps tasks keeping their state
+            (`kfit_ps.training.ps_recovery`; where that is impossible, the job
+            restarts). `"restart"`: the job restarts from the last backup.
+            Defaults to "in-place".
     """
 
     command: tuple = ()
@@ -63,6 +69,7 @@ class LaunchConfig:
     liveness_timeout: float = 60.0
     status_port: int = 0
     status_address: str = "127.0.0.1"
+    ps_recovery: str = "in-place"
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -90,6 +97,9 @@ class LaunchConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"LaunchConfig: `{name}` must be a number of seconds >= 0. "
                                  f"Received: {name}={value!r}.")
+        if self.ps_recovery not in ("in-place", "restart"):
+            raise ValueError("LaunchConfig: `ps_recovery` must be 'in-place' or 'restart' "
+                             f"(--ps-recovery). Received: ps_recovery={self.ps_recovery!r}.")
         if self.tasks is not None:
             set_("tasks", tuple((str(t), int(i)) for t, i in self.tasks))
             if not self.tasks:

@@ -109,6 +109,9 @@ class JobView:
         if event.kind == constants.PS and decision.action is Action.WAIT_FOR_CHIEF:
             self.emit("ps_lost", event.task, f"{event.task} was lost: the chief's fit stops, "
                       "then every task of this host restarts")
+        elif event.kind == constants.PS and decision.action is Action.RESTART_TASK:
+            self.emit("ps_lost", event.task, f"{event.task} was lost: it restarts, and the "
+                      "chief restores its variables in place")
         if decision.action is Action.RESTART_JOB:
             self.state = "restarting"
             self.emit("job_restart", None, decision.reason, delay=decision.delay)

@@ -4,7 +4,8 @@
 | --- | --- |
 | the chief, exit code 0 | the job is done (`FINISH`) |
 | a worker | restart it at the same address; TensorFlow takes it back in the same chief |
-| a ps | its variables are gone: let the chief stop (its `fit` raises `ParameterServerError`), then restart the job |
+| a ps, `--ps-recovery in-place` (default) with the chief running here | restart it at its address; the chief restores its variables from the last backup in the same process (if it cannot, it exits and the job restarts) |
+| a ps, `--ps-recovery restart` | its variables are gone: let the chief stop (its `fit` raises `ParameterServerError`), then restart the job |
 | the chief, with a retry status (`exit_status.RETRY`: 75 `ClusterError`, 143 SIGTERM, 137 SIGKILL, 130 SIGINT, or killed by any signal), or after a ps was lost | restart the job: every server of this host and the chief, which resumes from its last backup |
 | the chief, any other status | the program failed: not retried (`FAIL` with its status) |
 
@@ -90,8 +91,13 @@ class RestartPolicy:
                              "killing it and starting it again",
                              what=f"{task} did not start serving in time")
 
-    def decide(self, event, server_lost=False):
-        """The `Decision` for `event`; `server_lost`: a ps died since this chief started."""
+    def decide(self, event, server_lost=False, ps_in_place=False):
+        """The `Decision` for `event`; `server_lost`: a ps died since this chief started;
+        `ps_in_place`: a lost ps is restarted alone and the running chief restores it."""
+        if event.kind == "ps" and ps_in_place:
+            return self._restart(event, Action.RESTART_TASK,
+                                 "restarting it; the chief restores its variables in place "
+                                 "from the last backup")
         if event.kind == "worker":
             return self._restart(event, Action.RESTART_TASK,
                                  "restarting it; training continues in the same chief")

@@ -7,8 +7,10 @@ decision; this module only carries it out:
 
 - a worker is restarted at its address, and TensorFlow takes it back; workers
   join and leave on `kfit-ps scale` (`launch.scaling`);
-- after a ps is lost, the chief's `fit` stops (`ParameterServerError`); if it
-  does not within `ps_failure_grace`, it is stopped; then the job restarts;
+- a lost ps is restarted alone and the chief restores it in place
+  (`--ps-recovery in-place`, the default); with `restart`, or when the chief
+  cannot, its `fit` stops (`ParameterServerError`; stopped after
+  `ps_failure_grace`), then the job restarts;
 - a job restart stops the chief, restarts every server of this host and
   starts the chief again, which resumes from its last backup;
 - SIGTERM (a drain or preemption on Kubernetes) is forwarded to the chief,
@@ -21,7 +23,8 @@ decision; this module only carries it out:
   to the whole script (a rerun skips the `fit`s that completed), not to one `fit`.
 
 `run_dir/tasks.json` lists each task's current process and the status page's
-address; `run_dir/events.jsonl` is the event log (`job_view`). The exit status (`kfit_ps.exit_status`) is the chief's when it finished or failed,
+address; `run_dir/events.jsonl` is the event log (`job_view`). The exit status
+(`kfit_ps.exit_status`) is the chief's when it finished or failed,
 `RESTARTS_EXHAUSTED` when a task failed more often than allowed, 128 + the
 signal when stopped by one.
 """
@@ -189,7 +192,8 @@ class Supervisor:
                                         self.config.save_freq, self.run_dir,
                                         metrics_port=self.view.chief_metrics_port,
                                         events=self.view.events_path,
-                                        membership=self._scaler and self._scaler.directory)
+                                        membership=self._scaler and self._scaler.directory,
+                                        ps_recovery=self._ps_recovery())
         self.chief = chief_process.ChiefProcess(
             self.config.command, env, os.path.join(self.run_dir, "chief-0.log"), out=self.out)
         self.view.started_task(CHIEF, self.chief.pid)
@@ -212,34 +216,39 @@ class Supervisor:
                 self._scale()
                 time.sleep(0.1)
                 continue
-            decision = self.policy.decide(event, server_lost=self._server_lost)
+            decision = self.policy.decide(event, self._server_lost, self._chief_runs() and (
+                self._ps_recovery() == "in-place"))
             self.say(decision.reason)
             self.view.record_exit(event, decision)
             if decision.action is Action.FINISH:
-                self._remove_backups()
+                chief_process.remove_backups(self.config.backup_dir)
             if decision.action in (Action.FINISH, Action.FAIL):
                 return decision.exit_status
             if decision.action is Action.WAIT_FOR_CHIEF and self.chief is not None:
                 self._server_lost, self._ps_lost_at = True, time.monotonic()
                 continue
-            # RESTART_JOB; RESTART_TASK for a worker, or a ps on a host without the chief.
+            # RESTART_JOB; RESTART_TASK for a worker, or a ps (restored in place by the chief,
+            # which exits 75 if it cannot: the job restarts; or on a host without the chief).
             task = JOB if decision.action is Action.RESTART_JOB else event.task
             self._due[task] = time.monotonic() + decision.delay
 
-    def _scale(self):
-        """Carries out a `kfit-ps scale` request (`launch.scaling`), never during a restart."""
+    def _scale(self):  # A `kfit-ps scale` request (`launch.scaling`), never in a restart.
         if self._scaler and not (self._due or self._chief_due or self._stop_signal) and \
-                self._interruptible(self._scaler.poll, self.cluster, self.chief is not None
-                                    and self.chief.poll() is None):
+                self._interruptible(self._scaler.poll, self.cluster, self._chief_runs()):
             self._write_tasks()
+
+    def _ps_recovery(self):  # In place only where this launcher runs the ps (local form).
+        return self.config.ps_recovery if self.config.tasks is None else "restart"
+
+    def _chief_runs(self):
+        return self.chief is not None and self.chief.poll() is None
 
     def _stop_on_signal(self, signum):
         """SIGTERM: the chief saves and stops within `grace`; then everything stops."""
         name = signal.Signals(signum).name
         if self.view is not None:
             self.view.emit("stop", None, f"{name} received", signal=name)
-        chief_running = self.chief is not None and self.chief.poll() is None
-        if signum == signal.SIGTERM and chief_running:
+        if signum == signal.SIGTERM and self._chief_runs():
             self.say(f"{name} received: the chief finishes its steps in flight and writes a "
                      f"final backup (up to {self.config.grace:g} s), then every task stops")
             self._seen.add((CHIEF, self.chief.pid))
@@ -248,15 +257,6 @@ class Supervisor:
         else:
             self.say(f"{name} received: stopping every task")
         return exit_status.for_signal(signum)
-
-    def _remove_backups(self):
-        """The script succeeded: its backups are no longer needed."""
-        if not self.config.backup_dir:
-            return
-        import tensorflow as tf  # Only here: the supervisor starts without TensorFlow.
-
-        if tf.io.gfile.exists(self.config.backup_dir):
-            tf.io.gfile.rmtree(self.config.backup_dir)
 
     def _restart_what_is_due(self):
         now = time.monotonic()

@@ -233,6 +233,7 @@ def _marking_creator(next_creator, **kwargs):
     variable = next_creator(**kwargs)
     for component in getattr(variable, "variables", (variable,)):
         _tf_compat.mark_kfit_variable(component)
+        _tf_compat.ps_restore.remember(component)
     _tf_compat.mark_kfit_variable(variable)
     return variable
 

@@ -50,7 +50,9 @@ from kfit_ps.training import (cluster_health, elastic, functions, inputs, metric
                               moving_averages, preemption, sharded_updates)
 from kfit_ps.training.monitor import job_monitor, table_stats
 from kfit_ps.training.evaluation import Evaluation
-from kfit_ps.training.scheduling import metric_logs, per_worker_iterator, schedule_steps
+from kfit_ps.training.dispatch import Dispatcher
+from kfit_ps.training.ps_recovery import PsRecovery
+from kfit_ps.training.scheduling import metric_logs, per_worker_iterator
 from kfit_ps.training.callbacks.backup_and_restore import with_launcher_backup
 from kfit_ps.training.callbacks.base import SyncPoints
 from kfit_ps.training.callback_policy import check_callbacks
@@ -190,16 +192,15 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
     workers = elastic.elastic()
     if workers.pending(strategy):  # Between fits nothing is in flight: a safe point.
         workers.apply(strategy, monitor)
-    interrupted = lambda: preemption.requested() or workers.pending(strategy)  # noqa: E731
     fns = functions.for_model(model, strategy, "train_function")
-    coordinator = strategy.coordinator
     if source is None:  # A stream: each worker's own repeated pipeline.
         iterator = per_worker_iterator(strategy, train_input)
-        ledger, train = None, fns.train
+        ledger = None
+        train_for = lambda: functions.for_model(model, strategy, "train_function").train  # noqa
     else:
         ledger = _one_pass_ledger(model, strategy, source)
-        train = functools.partial(fns.train_split, ledger=ledger)
-        data = _tf_compat.track_per_worker(source.worker_data(coordinator))
+        train_for = lambda: functools.partial(fns.train_split, ledger=ledger)  # noqa: E731
+        data = _tf_compat.track_per_worker(source.worker_data(strategy.coordinator))
     callbacks = CallbackList(callbacks, add_history=True, add_progbar=False, model=model,
                              verbose=verbose, epochs=epochs, steps=steps_per_epoch)
     sync = SyncPoints(callbacks.callbacks, steps_per_epoch,
@@ -207,6 +208,9 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
     progress = Progress(verbose, epochs, steps_per_epoch)
     iterations = model.optimizer.iterations if model.optimizer is not None else None
     observe = functools.partial(monitor.expect, examples=inputs.static_batch_size(train_input))
+    dispatcher = Dispatcher(model, strategy, train_for, callbacks, observe, workers,
+                            PsRecovery(model, strategy, callbacks.callbacks, ledger, monitor),
+                            monitor, ledger)
 
     try:
         monitor.fit_begin(strategy, epochs, steps_per_epoch)
@@ -247,47 +251,29 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
             with progress.joining():
                 step = first
                 for stop in sync.stops(epoch, first):
-                    hooked = step  # Batch hooks were called for the steps before this one.
-                    while True:
-                        sizes = schedule_steps(
-                            coordinator, step, stop, model.steps_per_execution, train, args,
-                            callbacks.on_train_batch_begin, callbacks.on_train_batch_end,
-                            accumulator, should_stop=interrupted, observe=observe, hooked=hooked)
-                        hooked = max(hooked, step + sum(sizes))
-                        # On SIGTERM or new workers, functions no worker started are dropped:
-                        # the newest ones.
-                        cancelled = cluster_health.join(strategy, cancel_when=interrupted)
-                        accumulator.discard_newest(cancelled)
-                        if ledger is not None:
-                            ledger.dispatched(step, sizes)
-                            ledger.joined(cancelled)
-                        step += sum(sizes[:len(sizes) - cancelled])
-                        if preemption.requested() or not workers.pending(strategy):
-                            break
-                        # A safe point: nothing in flight. The dropped steps run on the new set.
-                        coordinator = workers.apply(strategy, monitor)
-                    accumulator.commit()
-                    logs = metric_logs(model)
+                    step = dispatcher.run(step, stop, args, accumulator)
+                    guarded = dispatcher.guarded  # A ps restored in place: run it again.
+                    logs = guarded(lambda: accumulator.commit() or metric_logs(model))
                     if step < stop:
                         _stop_preempted(sync, epoch, step, logs, steps_per_epoch)
-                    callbacks.on_train_batch_end(stop - 1, dict(logs))
-                    sync.synchronised(epoch, stop, dict(logs))
+                    guarded(callbacks.on_train_batch_end, stop - 1, dict(logs))
+                    guarded(sync.synchronised, epoch, stop, dict(logs))
                     step = stop
                     if model.stop_training:
                         break
             if evaluation is not None and (epoch + 1) % validation_freq == 0:
-                val_logs = evaluation.run(callbacks)
+                val_logs = dispatcher.guarded(evaluation.run, callbacks)
                 logs.update({f"val_{k}": v for k, v in val_logs.items()})
             progress.epoch_end(logs)
-            logs.update(embeddings.epoch_stats(model))  # Dynamic tables: rows, admitted, evicted.
+            logs.update(dispatcher.guarded(embeddings.epoch_stats, model))  # Dynamic tables.
             if ledger is not None and step >= steps_per_epoch:
                 report = ledger.end_epoch()
                 if verbose and report.summary():  # Said aloud when a split re-ran.
                     _tf_compat.print_msg(report.summary())
                 logs.update(report.logs())
             monitor.epoch_end(epoch, logs)
-            monitor.tables(table_stats(model))
-            callbacks.on_epoch_end(epoch, logs)
+            monitor.tables(dispatcher.guarded(table_stats, model))
+            dispatcher.guarded(callbacks.on_epoch_end, epoch, logs)
             if model.stop_training:
                 break
         if epochs > initial_epoch:  # As Keras: the moving averages become the weights.

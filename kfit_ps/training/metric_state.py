@@ -118,6 +118,13 @@ class Accumulator:
             for _ in range(count):
                 self._pending.pop()
 
+    def discard(self, remote_values):
+        """Forgets the results of `remote_values` (functions that failed: run again)."""
+        dropped = {id(v) for v in remote_values}
+        kept = [v for v in self._pending if id(v) not in dropped]
+        self._pending.clear()
+        self._pending.extend(kept)
+
     def _fold_one(self, remote):
         packed = [_widened(np.asarray(part)) for part in self._fetch(remote)]
         if self._sum is None:

@@ -133,7 +133,8 @@ def metric_logs(model):
 
 
 def schedule_steps(coordinator, start, stop, k, function_for, args, on_begin, on_end,
-                   accumulator, should_stop=lambda: False, observe=None, hooked=0):
+                   accumulator, should_stop=lambda: False, observe=None, hooked=0,
+                   scheduled=None):
     """Schedules steps `start..stop-1` in functions of at most `k` steps.
 
     `args`: the functions' arguments, or a function of the first step that
@@ -144,6 +145,7 @@ def schedule_steps(coordinator, start, stop, k, function_for, args, on_begin, on
     given, hears of each function scheduled (`monitor.JobMonitor.expect`). Functions
     starting before step `hooked` are scheduled again (they were dropped before they
     ran: `training.elastic`) and call no batch hook: those hooks were called already.
+    `scheduled`, when given, gets `(remote value, steps)` of each function as it goes.
     Returns the number of steps of each function scheduled, in order.
     """
     step, sizes = start, []
@@ -155,6 +157,8 @@ def schedule_steps(coordinator, start, stop, k, function_for, args, on_begin, on
         remote_value = coordinator.schedule(function_for(n), args=call_args)
         if observe is not None:
             observe(remote_value, n)
+        if scheduled is not None:
+            scheduled.append((remote_value, n))
         accumulator.add(remote_value)
         sizes.append(n)
         step += n

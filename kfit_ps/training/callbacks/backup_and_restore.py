@@ -140,6 +140,11 @@ class BackupAndRestore(SyncCallback):
                 self.backup_dir, "; ".join(skipped))
         return None, None
 
+    def newest_backup(self):
+        """`(path, marker)` of this fit's newest complete backup, or `(None, None)`."""
+        sequence, marker = self._newest_complete(self._sequences())
+        return (None, None) if sequence is None else (self._path(sequence), marker)
+
     def _restore(self, path, marker):
         saved = marker.get("ledger")
         if saved != self.ledger_state:
