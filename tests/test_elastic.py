@@ -52,24 +52,34 @@ def scale(job, workers):
     kfit_ps.scale(str(job.run_dir), workers)
 
 
-@pytest.mark.slow
-def test_workers_join_and_leave_a_running_fit_without_losing_a_step(tmp_path):
+def grow_and_shrink(job, workers, grown):
+    """Scale a running job to `grown` workers, wait for each new one's first step, scale back to
+    `workers` and wait until the added ones are removed."""
+    added = [f"worker:{i}" for i in range(workers, grown)]
+    for size, event in ((grown, "first_step"), (workers, "task_removed")):
+        scale(job, size)
+        for task in added:
+            wait_for_event(job, lambda e, t=task, k=event: e["event"] == k and e["task"] == t, 60)
+
+
+def resized_run(tmp_path, script, grown, settle=0.0):
+    """Runs `script` under `kfit-ps run --workers 2`; once its fit trains (plus `settle` seconds),
+    grows it to `grown` workers and back to 2, then lets it finish (the release file, argv[1])."""
     release = tmp_path / "release"
-    job = Job(tmp_path, "--workers", "2", "--ps", "1", script=ELASTIC, script_args=(release,))
+    job = Job(tmp_path, "--workers", "2", "--ps", "1", script=script, script_args=(release,))
     with job.running():
         wait_for_event(job, lambda e: e["event"] == "fit_begin", 180)
-        time.sleep(2)
-        scale(job, 4)
-        for task in ("worker:2", "worker:3"):
-            wait_for_event(job, lambda e, t=task: e["event"] == "first_step" and e["task"] == t,
-                           60)
-        scale(job, 2)
-        for task in ("worker:2", "worker:3"):
-            wait_for_event(job, lambda e, t=task: e["event"] == "task_removed"
-                           and e["task"] == t, 60)
+        time.sleep(settle)
+        grow_and_shrink(job, 2, grown)
         release.write_text("")
         status = job.finish()
     assert status == 0, "\n".join(job.lines[-60:])
+    return job
+
+
+@pytest.mark.slow
+def test_workers_join_and_leave_a_running_fit_without_losing_a_step(tmp_path):
+    job = resized_run(tmp_path, ELASTIC, 4, settle=2.0)
     # Every step ran once: no step lost by draining the leaving workers, none run twice.
     assert job.result() == {"iterations": STEPS, "batches": float(STEPS)}
     events = read_events(job)
@@ -87,6 +97,43 @@ def test_workers_join_and_leave_a_running_fit_without_losing_a_step(tmp_path):
     output = "\n".join(job.lines)
     assert "[chief] kfit_ps: now training on 4 workers (was 2;" in output
     assert "worker:2, worker:3 stopped: the job has 2 workers" in output
+    assert job.left_running() == []
+
+
+# Two one-pass epochs (the data ledger) over N indexed examples, paced as ELASTIC until argv[1]
+# exists; the model counts how often each example was trained (`helpers.counting_model`).
+N = 25_600
+ONE_PASS = textwrap.dedent(f"""
+    import json, os, sys, time
+    import keras, kfit_ps
+    import numpy as np
+    from tests import helpers as h
+
+    release = sys.argv[1]
+    strategy = kfit_ps.ParameterServerStrategy()
+    with strategy.scope():
+        model = h.counting_model({N}, saved=False)
+        model.compile("adam", "mse")
+
+    class Paced(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if not os.path.exists(release):
+                time.sleep(0.02)
+
+    (x, index), y = h.indexed_arrays({N})
+    logs = model.fit((x, index), y, batch_size=32, epochs=2, verbose=0,
+                     callbacks=[Paced()]).history
+    print("RESULT " + json.dumps({{"counts": np.bincount(model.counts.numpy()).tolist(),
+                                  "lost": logs["ledger_splits_lost"]}}), flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_one_pass_epochs_stay_exact_while_a_worker_joins_and_leaves(tmp_path):
+    job = resized_run(tmp_path, ONE_PASS, 3)
+    # Every example trained exactly once per epoch: twice; no split lost.
+    assert job.result() == {"counts": [0, 0, N], "lost": [0.0, 0.0]}
+    assert [e["workers"] for e in read_events(job) if e["event"] == "workers"] == [3, 2]
     assert job.left_running() == []
 
 

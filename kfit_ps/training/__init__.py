@@ -39,4 +39,5 @@ def install():
     _tf_compat.install_load_weights_hook("kfit_ps", _handles, _build_optimizer_before_load)
 
 
-__all__ = ["DatasetCreator", "Evaluation", "SidecarEvaluator", "export_saved_model", "install"]
+__all__ = ["DatasetCreator", "Evaluation", "SidecarEvaluator", "export_saved_model", "install",
+           "shardable"]
