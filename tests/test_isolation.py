@@ -12,7 +12,6 @@ import pytest
 from kfit_ps.launch import isolation
 from tests import helpers
 from tests.test_launcher import JOB, Job
-from tests.test_main_job import run_and_watch, user_env
 
 pytestmark = pytest.mark.skipif(isolation.available() is not None,
                                 reason=str(isolation.available()))
@@ -32,15 +31,8 @@ def accepts(host, port):
         return False
 
 
-@pytest.mark.slow
-def test_quickstart_runs_isolated_by_default():
-    proc, out, pids = run_and_watch([sys.executable, "-m", "kfit_ps.cli.main", "quickstart",
-                                     "--epochs", "1", "--steps-per-epoch", "30"], env=user_env())
-    assert proc.returncode == 0, out[-3000:]
-    assert "kfit-ps: network isolated" in out
-    assert "listen on all network interfaces" not in out  # no warning: nothing can reach them
-    assert re.search(r"held-out: auc=[0-9.]+ .*steps trained: 30", out), out[-2000:]
-    assert helpers.wait_for_no_servers(pids, timeout=10) == []
+# That `kfit-ps quickstart` runs isolated by default is checked on the README's main job itself
+# (`tests/test_main_job.py`).
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import time
 import psutil
 import pytest
 
+from kfit_ps.launch import isolation
 from tests import helpers
 
 
@@ -59,6 +60,9 @@ def test_quickstart_main_job_learns_and_leaves_nothing(tmp_path):
                                     env=dict(user_env(), TMPDIR=str(temp)))
     assert proc.returncode == 0, out[-3000:]
     assert foreign_lines(out) == [], out[-3000:]  # only kfit_ps's and Keras' output
+    if isolation.available() is None:  # isolated by default where namespaces work
+        assert "kfit-ps: network isolated" in out
+        assert "listen on all network interfaces" not in out  # nothing can reach them
     assert len(pids) == 4  # 2 workers + 2 ps, real processes
     match = re.search(r"held-out: auc=([0-9.]+) loss=([0-9.]+) \(steps trained: (\d+)", out)
     assert match, out[-3000:]
