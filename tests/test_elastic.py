@@ -19,7 +19,7 @@ BATCH = 64
 # One fit of STEPS steps. Until the file argv[1] exists, the chief schedules one step every
 # 20 ms, so that the fit outlasts the scaling the test drives; then it runs at full speed.
 ELASTIC = textwrap.dedent(f"""
-    import json, os, sys, time
+    import json, sys
     import keras, kfit_ps
     import tensorflow as tf
     from tests import helpers as h
@@ -36,13 +36,8 @@ ELASTIC = textwrap.dedent(f"""
         y = tf.reduce_sum(x, axis=1, keepdims=True)
         return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch({BATCH})
 
-    class Paced(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            if not os.path.exists(release):
-                time.sleep(0.02)
-
     history = model.fit(kfit_ps.DatasetCreator(data), epochs=1, steps_per_epoch={STEPS},
-                        verbose=0, callbacks=[Paced()])
+                        verbose=0, callbacks=[h.paced_until(release)])
     print("RESULT " + json.dumps({{"iterations": int(model.optimizer.iterations.numpy()),
                                   "batches": history.history["batches"][-1]}}), flush=True)
 """)
@@ -101,11 +96,12 @@ def test_workers_join_and_leave_a_running_fit_without_losing_a_step(tmp_path):
 
 
 # Two one-pass epochs (the data ledger) over N indexed examples, paced as ELASTIC until argv[1]
-# exists; the model counts how often each example was trained (`helpers.counting_model`).
+# exists (`helpers.paced_until`); the model counts how often each example was trained
+# (`helpers.counting_model`).
 N = 25_600
 ONE_PASS = textwrap.dedent(f"""
-    import json, os, sys, time
-    import keras, kfit_ps
+    import json, sys
+    import kfit_ps
     import numpy as np
     from tests import helpers as h
 
@@ -115,14 +111,9 @@ ONE_PASS = textwrap.dedent(f"""
         model = h.counting_model({N}, saved=False)
         model.compile("adam", "mse")
 
-    class Paced(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            if not os.path.exists(release):
-                time.sleep(0.02)
-
     (x, index), y = h.indexed_arrays({N})
     logs = model.fit((x, index), y, batch_size=32, epochs=2, verbose=0,
-                     callbacks=[Paced()]).history
+                     callbacks=[h.paced_until(release)]).history
     print("RESULT " + json.dumps({{"counts": np.bincount(model.counts.numpy()).tolist(),
                                   "lost": logs["ledger_splits_lost"]}}), flush=True)
 """)
