@@ -401,3 +401,134 @@ def test_the_monitor_counts_rows_admitted_and_evicted_on_each_ps(strategy):
         assert samples[labels("kfit_ps_table_rows")] == figures["rows"]
         assert samples[labels("kfit_ps_table_admitted_total")] == figures["admitted"]
         assert samples[labels("kfit_ps_table_evicted_total")] == figures["evicted"]
+
+
+# Chief code shared by the two processes of the next test: models of several dynamic tables,
+# each blocking call under a deadline that ends the process with its stack (faulthandler), so a
+# hang fails this test within the deadline instead of stalling the suite.
+_SEVERAL_TABLES = """
+    import contextlib, faulthandler
+
+    @contextlib.contextmanager
+    def deadline(seconds=90):
+        faulthandler.dump_traceback_later(seconds, exit=True)
+        try:
+            yield
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+
+    def int_model(shards=None):  # Three tables, one per id column.
+        ids = keras.Input(shape=(3,), dtype="int64")
+        parts = [kfit_ps.layers.DynamicEmbedding(4, name=f"t{i}", num_shards=shards)(ids[:, i])
+                 for i in range(3)]
+        return keras.Model(ids, keras.layers.Concatenate()(parts))
+
+    def string_model(shards=None):  # A string table beside an int table, one model.
+        words = keras.Input(shape=(), dtype="string")
+        ids = keras.Input(shape=(), dtype="int64")
+        parts = [kfit_ps.layers.DynamicEmbedding(4, name="s", num_shards=shards)(words),
+                 kfit_ps.layers.DynamicEmbedding(4, name="u", num_shards=shards)(ids)]
+        return keras.Model([words, ids], keras.layers.Concatenate()(parts))
+
+    def contents(layer):
+        # {key: row and slots, times seen, clock last seen} of every id with a row.
+        out = {}
+        for shard in layer.table.shards:
+            with tf.device(shard.device):
+                keys, values = shard.values.export()
+                meta_keys, meta = shard.meta.export()
+            values = values.numpy().reshape(len(keys), -1)
+            meta = dict(zip(meta_keys.numpy().tolist(), meta.numpy().reshape(-1, 3).tolist()))
+            for key, row in zip(keys.numpy().tolist(), values):
+                out[key] = (row, meta[key][:2])
+        return out
+
+    def differences(expected, layer):
+        got = contents(layer)
+        if sorted(got) != sorted(expected):
+            return [f"{layer.name}: {len(got)} keys, {len(expected)} expected, "
+                    f"{len(set(expected) - set(got))} missing"]
+        return [f"{layer.name}: key {k}" for k in expected
+                if not (np.array_equal(got[k][0], expected[k][0])
+                        and got[k][1] == expected[k][1])][:3]
+
+    def loaded(build, path, shards, names):
+        # A new model of the same layer names loads `path`; its tables' shard counts.
+        with strategy.scope():
+            model = build(shards)
+        with deadline():
+            model.load_weights(path)
+        return model, [model.get_layer(n).table.num_shards for n in names]
+"""
+
+
+def test_several_tables_and_models_train_save_and_load_into_any_shard_count(tmp_path):
+    """Three dynamic tables in one model, and a second model (a string table and an int table)
+    built after it under the same strategy, trained by 2 workers together, saved, and loaded
+    into new models of the same layer names with 1, 2, 3 and 5 shards, then in a chief of its
+    own with 3 ps: every key, row, slot and count, each time. Each step and load has a
+    deadline. (Two tables' per-shard locks were one mutex on a ps, and the first step waited on
+    itself.)"""
+    result = helpers.run_chief(_SEVERAL_TABLES + f"""
+    import pickle
+    rng = np.random.default_rng(0)
+    x = rng.integers(-10**9, 10**9, size=(256, 3))
+    words = np.array([f"w{{i}}" for i in rng.integers(0, 300, size=256)])
+    with kfit_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
+        strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+        with strategy.scope():
+            first = int_model()
+            first.compile(keras.optimizers.Adam(0.01), "mse", steps_per_execution=2)
+            second = string_model()
+            second.compile(keras.optimizers.Adagrad(0.1), "mse", steps_per_execution=2)
+        with deadline():
+            first.train_on_batch(x[:16], np.ones((16, 12)))
+        with deadline(180):  # Both models' steps, on both workers.
+            first.fit(x, np.ones((256, 12)), batch_size=8, epochs=1, verbose=0)
+            second.fit([words, x[:, 0]], np.ones((256, 8)), batch_size=8, epochs=1, verbose=0)
+        saved = {{}}
+        for model, name, names in ((first, "int", ["t0", "t1", "t2"]),
+                                   (second, "string", ["s", "u"])):
+            path = {str(tmp_path)!r} + f"/{{name}}.weights.h5"
+            with deadline():
+                model.save_weights(path)
+            saved[name] = {{n: contents(model.get_layer(n)) for n in names}}
+        problems, shard_counts = [], []
+        for shards in (1, 2, 3, 5):
+            for build, name in ((int_model, "int"), (string_model, "string")):
+                path = {str(tmp_path)!r} + f"/{{name}}.weights.h5"
+                model, counts = loaded(build, path, shards, list(saved[name]))
+                shard_counts.append(counts)
+                for n, expected in saved[name].items():
+                    problems += differences(expected, model.get_layer(n))
+        with open({str(tmp_path)!r} + "/saved.pkl", "wb") as f:
+            pickle.dump(saved, f)
+        report(problems=problems, shard_counts=shard_counts,
+               keys={{n: len(c) for tables in saved.values() for n, c in tables.items()}},
+               iterations=[int(first.optimizer.iterations), int(second.optimizer.iterations)])
+    os._exit(0)
+    """, timeout=420)
+    assert result["problems"] == []
+    assert result["shard_counts"] == [[k] * n for k in (1, 2, 3, 5) for n in (3, 2)]
+    assert result["iterations"] == [1 + 32, 32]
+    assert all(n > 100 for n in result["keys"].values()), result["keys"]
+    assert result["keys"]["s"] <= 300
+
+    other = helpers.run_chief(_SEVERAL_TABLES + f"""
+    import pickle
+    with open({str(tmp_path)!r} + "/saved.pkl", "rb") as f:
+        saved = pickle.load(f)
+    with kfit_ps.LocalCluster(num_workers=1, num_ps=3) as cluster:
+        strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+        problems, shard_counts = [], []
+        for build, name in ((int_model, "int"), (string_model, "string")):
+            model, counts = loaded(build, {str(tmp_path)!r} + f"/{{name}}.weights.h5", None,
+                                   list(saved[name]))
+            shard_counts.append(counts)
+            for n, expected in saved[name].items():
+                problems += differences(expected, model.get_layer(n))
+        report(problems=problems, shard_counts=shard_counts)
+    os._exit(0)
+    """, timeout=240)
+    assert other["problems"] == []
+    assert other["shard_counts"] == [[3, 3, 3], [3, 3]]

@@ -28,7 +28,7 @@ ALLOWED = {
     "strategy": {"_tf_compat", "strategy"} | LEAVES,
     "_tf_compat": {"_tf_compat"},
     "constants": set(),
-    "validation": set(),
+    "validation": {"constants"},
     "net": set(),
     "membership": set(),
     "errors": set(),

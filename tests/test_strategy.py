@@ -1,5 +1,9 @@
 """ParameterServerStrategy: the seed's placement contract, validation, atomic updates."""
 
+import json
+import socket
+import time
+
 import keras
 import numpy as np
 import pytest
@@ -54,6 +58,63 @@ def test_invalid_clusters_are_value_errors(cluster, fragment):
         kfit_ps.ParameterServerStrategy(resolver(cluster))
     assert fragment in str(info.value)
     assert "Received cluster spec" in str(info.value)
+
+
+def _listening(count):
+    """`count` loopback sockets that listen and never accept: a connection would queue."""
+    sockets = []
+    for _ in range(count):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(8)
+        sock.setblocking(False)
+        sockets.append(sock)
+    return sockets, [f"127.0.0.1:{s.getsockname()[1]}" for s in sockets]
+
+
+@pytest.mark.parametrize("shape, task, rule", [
+    ({"chief": 3, "worker": 1, "ps": 1}, ("chief", 0), '"cluster.chief" has 3 addresses; at most '
+     "one is allowed"),
+    ({"chief": 1, "ps": 1}, ("chief", 0), "no 'worker' task"),
+    ({"chief": 1, "worker": 2}, ("chief", 0), "no 'ps' task"),
+    ({"chief": 1, "worker": 1, "ps": 1}, ("chief", 1), '"task.index" 1 is out of range for task '
+     "type 'chief'"),
+    ({"worker": 1, "ps": 1}, ("chief", 0), "out of range for task type 'chief', which has 0"),
+    ({"chief": 1, "worker": 2, "ps": 1}, ("chief", 0), "appears twice"),
+])
+@pytest.mark.parametrize("via", ["TF_CONFIG", "cluster_resolver"])
+def test_invalid_cluster_shapes_are_refused_before_any_connection(shape, task, rule, via,
+                                                                   monkeypatch):
+    """Each rule is checked before the strategy waits for (or connects to) any server: refused
+    within 1 s, naming the rule, and no server of the cluster saw a connection."""
+    sockets, addresses = _listening(sum(shape.values()))
+    try:
+        cluster, free = {}, iter(addresses)
+        for kind, count in shape.items():
+            cluster[kind] = [next(free) for _ in range(count)]
+        if "appears twice" in rule:
+            cluster["worker"][1] = cluster["ps"][0]
+        if via == "TF_CONFIG":
+            monkeypatch.setenv("TF_CONFIG", json.dumps(
+                {"cluster": cluster, "task": {"type": task[0], "index": task[1]}}))
+            arguments = {}
+        else:
+            arguments = {"cluster_resolver": tf.distribute.cluster_resolver.SimpleClusterResolver(
+                tf.train.ClusterSpec(cluster), task_type=task[0], task_id=task[1],
+                rpc_layer="grpc")}
+        started = time.monotonic()
+        with pytest.raises(ValueError) as info:
+            kfit_ps.ParameterServerStrategy(**arguments)
+        assert time.monotonic() - started < 1.0
+        assert rule in str(info.value)
+        if via == "TF_CONFIG":
+            assert "TF_CONFIG" in str(info.value)
+        for sock in sockets:
+            with pytest.raises(BlockingIOError):
+                sock.accept()  # Nothing connected.
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def test_non_resolver_and_wrong_task_are_value_errors():

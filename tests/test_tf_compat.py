@@ -308,14 +308,19 @@ def test_shard_dataset_puts_every_element_in_exactly_one_shard(tmp_path):
         assert sorted(seen) == sorted(everything) and len(everything) in (103, 60)
 
 
-def test_named_hash_tables_and_pinned_variables(strategy):
-    """A table gets a UUID shared name (not `table_<n>`); a pinned variable keeps its ps even in
-    the strategy's scope, where `tf.Variable` would be placed round-robin."""
+def test_named_hash_tables_critical_sections_and_pinned_variables(strategy):
+    """A table gets a UUID shared name (not `table_<n>`), and so does a critical section's mutex
+    (not its `name`); a pinned variable keeps its ps even in the strategy's scope, where
+    `tf.Variable` would be placed round-robin."""
     device = "/job:ps/replica:0/task:1/device:CPU:0"
     first = _tf_compat.hash_table(tf.int64, tf.float32, tf.constant(-1.0), device, "t")
     second = _tf_compat.hash_table(tf.int64, tf.float32, tf.constant(-1.0), device, "t")
     assert first._shared_name.startswith("kfit_ps_t_") and first._shared_name != second._shared_name
     assert first.resource_handle.device == device
+    locks = [_tf_compat.critical_section(device, "lock_0") for _ in range(2)]
+    mutexes = [lock._signature[1] for lock in locks]  # (container, shared name, device)
+    assert mutexes[0].startswith("kfit_ps_lock_0_") and mutexes[0] != mutexes[1]
+    assert locks[0]._handle.device == device
     with strategy.scope():
         counters = _tf_compat.pinned_variable(tf.zeros([3], tf.int64), device, "c")
     assert counters.device == device and not counters.trainable

@@ -28,7 +28,7 @@ from kfit_ps._tf_compat.keras_variables import (
 )
 from kfit_ps._tf_compat.metric_scope import LocalStateScope
 from kfit_ps._tf_compat.pinned_variables import pinned_variable
-from kfit_ps._tf_compat.hash_tables import hash_table
+from kfit_ps._tf_compat.hash_tables import critical_section, hash_table
 from kfit_ps._tf_compat.read_cache import CachedReadScope
 from kfit_ps._tf_compat.datasets import shard_dataset, shard_policy, shuffle_ops, with_shard_policy
 from kfit_ps._tf_compat.fused_adam import apply_adam, can_fuse as can_fuse_adam
@@ -83,6 +83,7 @@ __all__ = [
     "has_stock_train_step",
     "install_sharding_support",
     "optimizer_slots",
+    "critical_section",
     "hash_table",
     "pinned_variable",
     "sharded_storage",

@@ -19,13 +19,8 @@ import dataclasses
 import json
 import types
 
-from kfit_ps import constants
-
-_ORDER = (constants.CHIEF, constants.WORKER, constants.PS, constants.EVALUATOR)
-
-
-def _fail(source, problem, fix):
-    raise ValueError(f"Invalid {source}: {problem} {fix}")
+from kfit_ps import constants, validation
+from kfit_ps.validation import cluster_error as _fail
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,53 +42,9 @@ class ClusterConfig:
     source: str = constants.TF_CONFIG
 
     def __post_init__(self):
-        src = self.source
-        if not isinstance(self.cluster, dict) and not isinstance(
-            self.cluster, types.MappingProxyType
-        ):
-            _fail(src, f'"cluster" must be an object. Received: {self.cluster!r}.',
-                  'Example: {"cluster": {"worker": ["host:port"], "ps": ["host:port"]}}.')
-        normalized = {}
-        seen = {}
-        for task_type, addresses in self.cluster.items():
-            if task_type not in constants.TASK_TYPES:
-                _fail(src, f"unknown task type {task_type!r} in \"cluster\".",
-                      f"Use only {', '.join(constants.TASK_TYPES)}.")
-            if isinstance(addresses, str) or not isinstance(addresses, (list, tuple)):
-                _fail(src, f'"cluster.{task_type}" must be a list of "host:port" strings. '
-                      f"Received: {addresses!r}.", f'Example: "{task_type}": ["localhost:2222"].')
-            for i, address in enumerate(addresses):
-                _check_address(src, f"cluster.{task_type}[{i}]", address)
-                if address in seen:
-                    _fail(src, f"address {address!r} appears twice: as {seen[address]} and as "
-                          f"{task_type}[{i}].", "Give every task its own host:port.")
-                seen[address] = f"{task_type}[{i}]"
-            normalized[task_type] = tuple(addresses)
-        for required in (constants.WORKER, constants.PS):
-            if not normalized.get(required):
-                _fail(src, f'"cluster" has no {required!r} task; parameter-server training needs '
-                      "at least one worker and one ps.",
-                      f'Add "{required}": ["host:port"] to "cluster".')
-        for single in (constants.CHIEF, constants.EVALUATOR):
-            if len(normalized.get(single, ())) > 1:
-                _fail(src, f'"cluster.{single}" has {len(normalized[single])} addresses; at most '
-                      "one is allowed.", f"Keep one {single} address.")
-        if self.task_type is not None:
-            if self.task_type not in constants.TASK_TYPES:
-                _fail(src, f"unknown task type {self.task_type!r} in \"task.type\".",
-                      f"Use one of {', '.join(constants.TASK_TYPES)}.")
-            if not isinstance(self.task_index, int) or isinstance(self.task_index, bool):
-                _fail(src, f'"task.index" must be an integer. Received: {self.task_index!r}.',
-                      'Example: "task": {"type": "worker", "index": 0}.')
-            count = len(normalized.get(self.task_type, ()))
-            if self.task_type == constants.EVALUATOR and count == 0:
-                pass  # TensorFlow allows an evaluator outside the cluster.
-            elif not 0 <= self.task_index < count:
-                _fail(src, f'"task.index" {self.task_index} is out of range for task type '
-                      f"{self.task_type!r}, which has {count} address(es).",
-                      f"Use an index from 0 to {max(count - 1, 0)}.")
-        ordered = {k: normalized[k] for k in _ORDER if k in normalized}
-        object.__setattr__(self, "cluster", types.MappingProxyType(ordered))
+        cluster = validation.check_cluster(self.cluster, self.task_type, self.task_index,
+                                           source=self.source)
+        object.__setattr__(self, "cluster", types.MappingProxyType(cluster))
 
     @classmethod
     def from_tf_config(cls, raw=None):
@@ -161,12 +112,3 @@ class ClusterConfig:
             parts.append(f"task={self.task_type}:{self.task_index}")
         return f"ClusterConfig({', '.join(parts)})"
 
-
-def _check_address(source, where, address):
-    if not isinstance(address, str) or ":" not in address:
-        _fail(source, f'"{where}" must be a "host:port" string. Received: {address!r}.',
-              'Example: "localhost:2222".')
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        _fail(source, f'"{where}" has no valid port. Received: {address!r}.',
-              "Use host:port with a port from 1 to 65535.")

@@ -15,7 +15,8 @@ Who owns what:
     `max_age` are measured on it, so a fresh optimizer (its `iterations`
     back to 0) changes neither;
   - `counters`: rows admitted, rows evicted, most rows held at once;
-  - `lock`: a `tf.CriticalSection`. An update and its eviction run in it, so
+  - `lock`: a `tf.CriticalSection` of its own (no other shard, table or
+    model shares its mutex). An update and its eviction run in it, so
     two workers' updates of one shard never interleave: no update is lost,
     no id keeps slots or a count without its row, and `evicted` counts each
     removed row once;
@@ -55,8 +56,7 @@ class Shard(tf.Module):
             tf.zeros([3], tf.int64), device, name=f"{unique}_counters_{index}")
         self.clock = _tf_compat.pinned_variable(
             tf.zeros([], tf.int64), device, name=f"{unique}_clock_{index}")
-        with tf.init_scope(), tf.device(device):
-            self.lock = tf.CriticalSection(name=f"lock_{index}")
+        self.lock = _tf_compat.critical_section(device, f"lock_{index}")
         self.values = None
         self.make_values(dim)
 

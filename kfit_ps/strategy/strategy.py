@@ -17,7 +17,7 @@ import time
 
 import tensorflow as tf
 
-from kfit_ps import _tf_compat, constants, net
+from kfit_ps import _tf_compat, constants, net, validation
 from kfit_ps.errors import ClusterError
 
 _ALLOWED = (constants.CHIEF, constants.WORKER, constants.PS)
@@ -30,10 +30,16 @@ def _resolver_from_tf_config():
             f"{constants.TF_CONFIG} environment variable, which is not set. Received: "
             "cluster_resolver=None. Run the script under `kfit-ps run`, set TF_CONFIG, or pass "
             "`cluster_resolver=kfit_ps.LocalCluster(...).cluster_resolver`.")
-    return tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    return _validated_resolver(tf.distribute.cluster_resolver.TFConfigClusterResolver(),
+                               source=constants.TF_CONFIG)
 
 
-def _validated_resolver(cluster_resolver):
+def _validated_resolver(cluster_resolver, source="ParameterServerStrategy cluster_resolver"):
+    """The resolver (without an evaluator), once its cluster obeys every rule.
+
+    Runs before anything waits on the network: a misconfigured cluster is
+    refused at once, naming the rule, not after the startup timeout.
+    """
     if not isinstance(cluster_resolver, tf.distribute.cluster_resolver.ClusterResolver):
         raise ValueError(
             "ParameterServerStrategy: `cluster_resolver` must be a "
@@ -65,6 +71,7 @@ def _validated_resolver(cluster_resolver):
             f"{task_type!r}:{cluster_resolver.task_id}. Run servers for worker and ps tasks with "
             "`kfit-ps server`, and the training script with TF_CONFIG task type 'chief'."
         )
+    validation.check_cluster(spec, task_type, cluster_resolver.task_id or 0, source=source)
     if constants.EVALUATOR not in spec:
         return cluster_resolver
     del spec[constants.EVALUATOR]  # The evaluator reads checkpoints; it is not trained on.
@@ -117,9 +124,8 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         _tf_compat.install_atomic_updates()
         if variable_partitioner is not None:
             _tf_compat.install_sharding_support()
-        if cluster_resolver is None:
-            cluster_resolver = _resolver_from_tf_config()
-        resolver = _validated_resolver(cluster_resolver)
+        resolver = (_resolver_from_tf_config() if cluster_resolver is None
+                    else _validated_resolver(cluster_resolver))
         spec = resolver.cluster_spec().as_dict()
         self._num_workers = len(spec[constants.WORKER])
         self._num_ps = len(spec[constants.PS])
