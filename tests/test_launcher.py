@@ -387,7 +387,11 @@ def test_a_script_of_three_fits_killed_in_the_second_resumes_into_the_second(tmp
 
 @pytest.mark.chaos
 @pytest.mark.slow
-def test_sigterm_saves_the_steps_in_flight_and_the_rerun_loses_none(tmp_path):
+@pytest.mark.parametrize("to", ["launcher", "group"])
+def test_sigterm_saves_the_steps_in_flight_and_the_rerun_loses_none(tmp_path, to):
+    """SIGTERM to the launcher (as Kubernetes sends it) or to its whole process group (as
+    `timeout`, systemd and Slurm do): the chief gets it once, finishes the steps in flight and
+    writes its final backup while the servers still run; the rerun resumes at that step."""
     backup = tmp_path / "backup"
     flags = ("--workers", "1", "--ps", "1", "--backup-dir", str(backup), "--grace", "60")
     plan = json.dumps([[1, 8000]])  # one long epoch, backed up only at its end
@@ -396,7 +400,10 @@ def test_sigterm_saves_the_steps_in_flight_and_the_rerun_loses_none(tmp_path):
         job.read_until(lambda line: epoch_line(line) == (1, 0, 0))
         time.sleep(random.Random(7).uniform(4.0, 7.0))
         started = time.monotonic()
-        job.proc.send_signal(signal.SIGTERM)  # the launcher, as Kubernetes does
+        if to == "group":
+            os.killpg(job.proc.pid, signal.SIGTERM)  # the launcher's session leads its group
+        else:
+            job.proc.send_signal(signal.SIGTERM)
         status = job.finish(timeout=120)
         took = time.monotonic() - started
     finally:

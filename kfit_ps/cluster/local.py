@@ -333,9 +333,11 @@ class LocalCluster:
                 self._logs[key] = open(path, "ab")
             self._logs[key].flush()
             self._log_start[key] = os.path.getsize(path)  # this incarnation's log starts here
+            # A session of its own: a signal to this process' group (Ctrl-C, `timeout`,
+            # systemd) leaves the servers to `stop()`, after the chief's final backup.
             self._procs[key] = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=self._logs[key], stderr=subprocess.STDOUT,
-                env=env)
+                env=env, start_new_session=True)
 
     def _log_path(self, task_type, index):
         return os.path.join(self._log_dir, f"{task_type}-{index}.log")

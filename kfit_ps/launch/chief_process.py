@@ -15,7 +15,15 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _die_with_supervisor():
-    """In the child: SIGKILL when the supervisor dies (even by SIGKILL); Linux only."""
+    """In the child: its own process group, and SIGKILL when the supervisor dies (even by
+    SIGKILL; Linux only).
+
+    In a group of its own the chief gets a stop signal once, from the supervisor: a signal
+    to the launcher's group (what `timeout`, systemd and Slurm send, and Ctrl-C) reaches the
+    launcher alone, which forwards it. Delivered twice, a SIGTERM's second copy would end the
+    chief before its final backup.
+    """
+    os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -64,10 +72,10 @@ class ChiefProcess:
         self._pump.join(5.0)
         return status
 
-    def stop(self, grace=5.0):
-        """SIGTERM, then SIGKILL after `grace` seconds; returns the exit status."""
+    def stop(self, grace=5.0, signum=signal.SIGTERM):
+        """`signum` (SIGTERM), then SIGKILL after `grace` seconds; returns the exit status."""
         if self.process.poll() is None:
-            self.process.terminate()
+            self.process.send_signal(signum)
             try:
                 self.process.wait(grace)
             except subprocess.TimeoutExpired:

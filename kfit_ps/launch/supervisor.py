@@ -254,6 +254,10 @@ class Supervisor:
             self._seen.add((CHIEF, self.chief.pid))
             status = self.chief.stop(grace=self.config.grace)
             self.say(f"the chief stopped with {exit_status.describe(status)}")
+        elif self._chief_runs():  # SIGINT: the chief stops as a Ctrl-C stops a script.
+            self.say(f"{name} received: stopping every task")
+            self._seen.add((CHIEF, self.chief.pid))
+            self.chief.stop(signum=signum)
         else:
             self.say(f"{name} received: stopping every task")
         return exit_status.for_signal(signum)
