@@ -51,6 +51,17 @@ def _published(directory, prefix=""):
                   if n.startswith(prefix) and n.endswith(".json" + _READY))
 
 
+def reset(directory):
+    """An empty `directory` for a new job: a run directory reused after a scaled job holds
+    the old job's worker lists, whose workers (and ports) are gone."""
+    os.makedirs(directory, exist_ok=True)
+    for name in os.listdir(directory):
+        try:
+            os.remove(os.path.join(directory, name))
+        except FileNotFoundError:
+            pass
+
+
 def request_scale(run_dir, workers):
     """Asks the launcher of the job in `run_dir` (`kfit-ps run`) for `workers` workers.
 

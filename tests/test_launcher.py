@@ -15,6 +15,7 @@ import numpy as np
 import psutil
 import pytest
 
+from kfit_ps import membership
 from tests import helpers
 
 # A chief script. It prints "STEP <iterations>" at every synchronisation (each backup) and
@@ -253,7 +254,9 @@ def test_stopping_the_launcher_stops_everything(tmp_path, how):
 
 @pytest.mark.slow
 def test_multi_host_form_each_launcher_runs_its_share(tmp_path):
-    """One launcher runs the servers of TF_CONFIG's cluster, another the chief: two 'hosts'."""
+    """One launcher runs the servers of TF_CONFIG's cluster, another the chief: two 'hosts'.
+    The chief's run directory is reused from a scaled job: its old worker lists (of workers
+    long gone) are not this job's, which trains on its own workers."""
     cluster = {"chief": [f"localhost:{helpers.free_port()}"],
                "worker": [f"localhost:{helpers.free_port()}" for _ in range(2)],
                "ps": [f"localhost:{helpers.free_port()}"]}
@@ -261,6 +264,12 @@ def test_multi_host_form_each_launcher_runs_its_share(tmp_path):
     servers_dir, chief_dir = tmp_path / "servers", tmp_path / "chief"
     servers_dir.mkdir()
     chief_dir.mkdir()
+    stale = chief_dir / "run" / membership.DIR_NAME
+    stale.mkdir(parents=True)
+    for generation, count in ((1, 3), (2, 2)):  # The old job's 2 -> 3 -> 2 workers.
+        membership.publish(str(stale), generation,
+                           [f"localhost:{helpers.free_port()}" for _ in range(count)])
+    membership.acknowledge(str(stale), 2)
     servers = helpers.popen(
         [sys.executable, "-m", "kfit_ps.cli.main", "run", "--run-dir", str(servers_dir / "run"),
          "--tasks", "ps:0,worker:0,worker:1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

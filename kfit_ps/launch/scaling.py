@@ -28,7 +28,7 @@ class Scaler:
 
     def __init__(self, run_dir, say, view):
         self.directory = os.path.join(run_dir, membership.DIR_NAME)
-        os.makedirs(self.directory, exist_ok=True)
+        membership.reset(self.directory)  # A new job: generations start again from 1.
         self.say, self.view = say, view
         self.generation = 0
         self._leaving = None  # (generation, workers kept) until the chief lets the rest go
