@@ -39,8 +39,6 @@ def _require_positive(parser, *flags):
 
 def _cmd_quickstart(args, parser):
     from kfit_ps._setup import prepare_training
-
-    prepare_training()
     from kfit_ps.jobs.quickstart import QuickstartConfig, run
 
     _require_positive(parser, ("--workers", args.workers), ("--ps", args.ps),
@@ -50,6 +48,7 @@ def _cmd_quickstart(args, parser):
     config = QuickstartConfig(num_workers=args.workers, num_ps=args.ps, epochs=args.epochs,
                               steps_per_epoch=args.steps_per_epoch, verbose=args.verbose)
     print(f"kfit-ps quickstart: {config}", flush=True)
+    prepare_training()  # Once the flags are checked: this loads TensorFlow and Keras.
     results = run(config)
     return 0 if results["auc"] > 0.5 else 1
 
@@ -143,9 +142,6 @@ def _cmd_evaluator(args, parser):
     from kfit_ps._setup import prepare_training
     from kfit_ps.cluster.spec import ClusterConfig
 
-    prepare_training()
-    from kfit_ps.training import SidecarEvaluator
-
     if constants.tf_config():
         try:
             config = ClusterConfig.from_tf_config()
@@ -157,6 +153,9 @@ def _cmd_evaluator(args, parser):
                          "'evaluator' (or unset TF_CONFIG).")
     if args.max_evaluations is not None:
         _require_positive(parser, ("--max-evaluations", args.max_evaluations))
+    prepare_training()  # Before the user's modules load: they may build kfit_ps models.
+    from kfit_ps.training import SidecarEvaluator
+
     model_fn = _load_callable(parser, "--model-fn", args.model_fn)
     data_fn = _load_callable(parser, "--data-fn", args.data_fn)
     print(f"kfit-ps evaluator: checkpoint_dir={args.checkpoint_dir!r} model_fn={args.model_fn} "
