@@ -1,11 +1,18 @@
 """kfit_ps: parameter-server training for Keras 3 `model.fit`.
 
-Importing kfit_ps routes `Model.fit` / `evaluate` / `predict` of models built
-under a `kfit_ps.ParameterServerStrategy` scope to the parameter-server loop,
-and makes `assign_add` / `assign_sub` of Keras variables created under that
-scope atomic on the ps. Nothing changes for other models and variables.
-It also keeps TensorFlow's C++ log lines off standard error
-(`kfit_ps.tf_logs`; `KFIT_PS_TF_LOGS=1` shows them).
+The first training name a process asks for (`kfit_ps.ParameterServerStrategy`,
+`kfit_ps.LocalCluster`, `kfit_ps.DatasetCreator`, `kfit_ps.layers`, ...)
+loads TensorFlow and Keras and routes `Model.fit` / `evaluate` / `predict` of
+models built under a `kfit_ps.ParameterServerStrategy` scope to the
+parameter-server loop, and makes `assign_add` / `assign_sub` of Keras
+variables created under that scope atomic on the ps. Nothing changes for other
+models and variables. See `kfit_ps._setup`.
+
+`import kfit_ps` itself loads neither TensorFlow nor Keras, so the launcher
+(`kfit-ps run`, `status`, `scale`, `manifests`, and `kfit_ps.launch`) starts
+without them. It keeps TensorFlow's C++ log lines off standard error
+(`kfit_ps.tf_logs`; `KFIT_PS_TF_LOGS=1` shows them), whoever imports
+TensorFlow later.
 
 ```python
 import kfit_ps
@@ -18,6 +25,7 @@ with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
 ```
 """
 
+import importlib as _importlib
 import os as _os
 
 _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -26,53 +34,55 @@ from kfit_ps import tf_logs as _tf_logs  # noqa: E402
 
 _tf_logs.install()  # Before TensorFlow is imported: its C++ log lines stay off stderr.
 
-from kfit_ps import constants as _constants  # noqa: E402
-from kfit_ps import errors  # noqa: E402
-from kfit_ps import training as _training  # noqa: E402
-from kfit_ps.cluster.job import job_cluster  # noqa: E402
-from kfit_ps.cluster.local import LocalCluster  # noqa: E402
-from kfit_ps.cluster.spec import ClusterConfig  # noqa: E402
-from kfit_ps.strategy import ParameterServerStrategy, shards  # noqa: E402
-from kfit_ps import partitioners  # noqa: E402
-from kfit_ps.training import (DatasetCreator, SidecarEvaluator, export_saved_model,  # noqa: E402
-                              shardable)
-from kfit_ps import callbacks  # noqa: E402
-from kfit_ps import layers  # noqa: E402
-from kfit_ps import ledger  # noqa: E402
-from kfit_ps.errors import ClusterError, ParameterServerError, WorkersLostError  # noqa: E402
-from kfit_ps.launch import LaunchConfig, run, scale  # noqa: E402
-
 __version__ = "0.1.0"
 
-_training.install()
-if _constants.launched():  # A chief of `kfit-ps run`: a ClusterError exits with status 75,
-    # and SIGTERM stops `fit` at a safe point after a last backup (status 143).
-    from kfit_ps._tf_compat import remove_autograph_files as _remove_autograph_files
-    from kfit_ps.training import preemption as _preemption
+# Each public name and the module that defines it. The launcher's names load without
+# TensorFlow; the others, and the public modules, prepare the process for training first.
+_LAUNCHER_NAMES = {
+    "ClusterConfig": "kfit_ps.cluster.spec",
+    "LaunchConfig": "kfit_ps.launch",
+    "run": "kfit_ps.launch",
+    "scale": "kfit_ps.launch",
+}
+_TRAINING_NAMES = {
+    "ClusterError": "kfit_ps.errors",
+    "DatasetCreator": "kfit_ps.training",
+    "LocalCluster": "kfit_ps.cluster.local",
+    "ParameterServerError": "kfit_ps.errors",
+    "ParameterServerStrategy": "kfit_ps.strategy",
+    "SidecarEvaluator": "kfit_ps.training",
+    "WorkersLostError": "kfit_ps.errors",
+    "export_saved_model": "kfit_ps.training",
+    "job_cluster": "kfit_ps.cluster.job",
+    "shardable": "kfit_ps.training",
+    "shards": "kfit_ps.strategy",
+}
+_MODULES = {"callbacks", "errors", "layers", "ledger", "partitioners"}
 
-    errors.exit_with_status_on_cluster_error(_remove_autograph_files)
-    _preemption.install()
+__all__ = sorted([*_LAUNCHER_NAMES, *_TRAINING_NAMES, *_MODULES, "__version__"])
 
-__all__ = [
-    "ClusterConfig",
-    "ClusterError",
-    "DatasetCreator",
-    "LaunchConfig",
-    "LocalCluster",
-    "ParameterServerError",
-    "ParameterServerStrategy",
-    "SidecarEvaluator",
-    "WorkersLostError",
-    "__version__",
-    "callbacks",
-    "errors",
-    "export_saved_model",
-    "job_cluster",
-    "layers",
-    "ledger",
-    "partitioners",
-    "run",
-    "scale",
-    "shardable",
-    "shards",
-]
+
+def __getattr__(name):
+    """Loads a public name on first use (PEP 562), then keeps it as a module attribute.
+
+    Any but the launcher's names first prepares the process for training
+    (`kfit_ps._setup.prepare_training`). kfit_ps' own modules never ask the root for a
+    name (`from kfit_ps import callbacks`): they import the module that defines it, so
+    preparing never comes back here (tests/test_public_api.py checks it).
+    """
+    if name in _LAUNCHER_NAMES:
+        value = getattr(_importlib.import_module(_LAUNCHER_NAMES[name]), name)
+    elif name in _TRAINING_NAMES or name in _MODULES:
+        _importlib.import_module("kfit_ps._setup").prepare_training()
+        if name in _MODULES:
+            value = _importlib.import_module(f"kfit_ps.{name}")
+        else:
+            value = getattr(_importlib.import_module(_TRAINING_NAMES[name]), name)
+    else:
+        raise AttributeError(f"module 'kfit_ps' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

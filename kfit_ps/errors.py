@@ -75,7 +75,8 @@ def exit_with_status_on_cluster_error(before_exit=None):
     """Makes an uncaught cluster failure (`is_cluster_failure`) end the process with
     `EXIT_CLUSTER_ERROR`.
 
-    Installed by `import kfit_ps` in a chief started by `kfit-ps run`, which
+    Installed in a chief started by `kfit-ps run` by the first training name it takes
+    from `kfit_ps` (`kfit_ps._setup.prepare_training`); the launcher
     restarts the job on that status (and treats any other failure as the
     program's own, not retried). The traceback is printed as usual first;
     `before_exit()`, if given, runs last (the exit skips `atexit` hooks).

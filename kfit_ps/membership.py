@@ -12,7 +12,7 @@ Files in one local directory (`RUN_DIR/membership`, named to the chief by
   launcher stops a removed worker only after this marker (or once the chief that
   could still use it is gone), so a worker is never stopped with a step in it.
 
-No TensorFlow here: the launcher uses it before TensorFlow loads. The directory
+No TensorFlow here: the launcher, which never loads TensorFlow, uses it. The directory
 is on the local disk of the chief's host, where the launcher runs.
 """
 

@@ -6,7 +6,8 @@ is initialised ignore it): six lines when it is imported, more when a chief
 connects to a cluster, and gRPC errors when it leaves one. A kfit_ps user
 should see kfit_ps's and Keras' output, and their own.
 
-`import kfit_ps` therefore calls `install()` before importing TensorFlow. It
+`import kfit_ps` therefore calls `install()`; it imports no TensorFlow itself,
+so the filter is in place before anyone does. It
 raises the level of TensorFlow's Python logger (`tensorflow`) to CRITICAL:
 its error lines about workers that failed and recovered carry pages of gRPC
 text, and kfit_ps reports what matters as its own errors

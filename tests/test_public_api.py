@@ -1,6 +1,7 @@
 """The public API, the layering rules, and the private-API gate."""
 
 import ast
+import json
 import pathlib
 import pkgutil
 import subprocess
@@ -18,7 +19,8 @@ PACKAGE = pathlib.Path(kfit_ps.__file__).parent
 # `observe` (metrics, events, diagnosis; no TensorFlow) serves the launcher and the chief.
 LEAVES = {"constants", "validation", "net", "errors", "membership"}
 ALLOWED = {
-    "cli": {"launch", "cluster", "training", "strategy", "jobs", "_tf_compat"} | LEAVES,
+    "cli": {"launch", "cluster", "training", "strategy", "jobs", "_tf_compat", "_setup"}
+    | LEAVES,
     "launch": {"launch", "cluster", "_tf_log_filter", "observe"} | LEAVES,
     "jobs": {"cluster", "training", "strategy", "data"} | LEAVES,
     "data": set(),
@@ -33,6 +35,7 @@ ALLOWED = {
     "membership": set(),
     "errors": set(),
     "tf_logs": {"constants"},
+    "_setup": {"constants", "training", "errors", "_tf_compat"},
     "_tf_log_filter": set(),
     "callbacks": {"training"},
     "layers": {"embeddings"},
@@ -58,6 +61,12 @@ def test_all_is_the_public_api():
     assert "reports" in kfit_ps.ledger.__all__
     for name in kfit_ps.__all__:
         assert getattr(kfit_ps, name) is not None
+        namespace = {}
+        exec(f"from kfit_ps import {name}", namespace)  # noqa: S102 - the public names only
+        assert namespace[name] is getattr(kfit_ps, name)
+    assert set(kfit_ps.__all__) <= set(dir(kfit_ps))
+    with pytest.raises(AttributeError, match="no attribute 'Strategy'"):
+        kfit_ps.Strategy  # noqa: B018
     import tensorflow as tf
 
     assert issubclass(kfit_ps.ParameterServerStrategy, tf.distribute.ParameterServerStrategy)
@@ -80,6 +89,13 @@ def kfit_imports(path):
             yield name
 
 
+def asks_the_root_for(path):
+    """The names that `path` imports from the package root (`from kfit_ps import x`)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "kfit_ps" and not node.level:
+            yield from (a.name for a in node.names)
+
+
 def layer_of(name):
     parts = name.split(".")
     return parts[1] if len(parts) > 1 else None
@@ -99,6 +115,11 @@ def test_layers_point_one_way_and_private_apis_stay_in_tf_compat(path):
             target = layer_of(name)
             if target in ALLOWED:  # not a public re-export name like kfit_ps.constants
                 assert target in ALLOWED[layer] | {layer}, f"{rel} (layer {layer}) imports {name}"
+    # The root's public names are loaded on first use, which first prepares training and so
+    # imports the training layer: kfit_ps' own modules import where a name is defined.
+    lazy = set(asks_the_root_for(path)) & set(kfit_ps.__all__)
+    assert not lazy, f"{rel}: `from kfit_ps import {', '.join(sorted(lazy))}`; import the " \
+        "defining module instead (e.g. `import kfit_ps.ledger as ledger`)"
 
 
 # One interpreter imports TensorFlow and Keras once, then forks a child per module: each
@@ -137,3 +158,38 @@ def test_every_module_imports_on_its_own():
 def test_no_module_is_huge():
     for path in PACKAGE.rglob("*.py"):
         assert len(path.read_text().splitlines()) < 400, path
+
+
+# In one fresh interpreter: import the launcher's modules, run `kfit-ps --help` and two
+# subcommands' help, then list every TensorFlow or Keras module loaded.
+IMPORT_THE_LAUNCHER = """
+import importlib, json, sys
+for module in sys.argv[1:]:
+    importlib.import_module(module)
+from kfit_ps.cli.main import main
+for argv in (["--help"], ["run", "--help"], ["status", "--help"]):
+    try:
+        main(argv)
+    except SystemExit:
+        pass
+print("LOADED:" + json.dumps(sorted(m for m in sys.modules
+                                    if m.split(".")[0] in ("tensorflow", "keras", "tf_keras"))))
+"""
+
+
+def launcher_modules():
+    """The modules of the launcher, the CLI and `observe`, and the leaves they use."""
+    return ["kfit_ps", "kfit_ps.membership", "kfit_ps.exit_status", "kfit_ps.constants"] + [
+        name for name in modules() if name.startswith(("kfit_ps.cli.", "kfit_ps.launch.",
+                                                        "kfit_ps.observe."))]
+
+
+def test_the_launcher_loads_neither_tensorflow_nor_keras():
+    names = launcher_modules()
+    assert {"kfit_ps.cli.main", "kfit_ps.launch.supervisor", "kfit_ps.observe.http"} <= set(names)
+    proc = subprocess.run([sys.executable, "-c", IMPORT_THE_LAUNCHER, *names],
+                          env=helpers.chief_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    loaded = json.loads(proc.stdout.rpartition("LOADED:")[2])
+    assert loaded == [], f"the launcher imported {loaded[:10]} ({len(loaded)} modules)"
+

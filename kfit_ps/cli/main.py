@@ -13,7 +13,9 @@
                                     evaluate each checkpoint training writes (side-car)
 
 Each flag falls back to an environment variable, then to a default; the
-effective configuration is printed at start.
+effective configuration is printed at start. Only `quickstart`, `server` and
+`evaluator` load TensorFlow, inside their handlers; the launcher's commands
+(`run`, `status`, `scale`, `manifests`) and `local` never do.
 """
 
 import argparse
@@ -24,10 +26,9 @@ import signal
 import sys
 import threading
 
-from kfit_ps import constants  # noqa: E402 - imports kfit_ps, which keeps TF's C++ logs quiet
-from kfit_ps import _tf_compat  # noqa: E402
-from kfit_ps.cli import launch_commands  # noqa: E402
-from kfit_ps.cli.flags import flag_error  # noqa: E402
+from kfit_ps import constants
+from kfit_ps.cli import launch_commands
+from kfit_ps.cli.flags import flag_error
 
 
 def _require_positive(parser, *flags):
@@ -37,6 +38,7 @@ def _require_positive(parser, *flags):
 
 
 def _cmd_quickstart(args, parser):
+    from kfit_ps._setup import prepare_training
     from kfit_ps.jobs.quickstart import QuickstartConfig, run
 
     _require_positive(parser, ("--workers", args.workers), ("--ps", args.ps),
@@ -46,6 +48,7 @@ def _cmd_quickstart(args, parser):
     config = QuickstartConfig(num_workers=args.workers, num_ps=args.ps, epochs=args.epochs,
                               steps_per_epoch=args.steps_per_epoch, verbose=args.verbose)
     print(f"kfit-ps quickstart: {config}", flush=True)
+    prepare_training()  # Once the flags are checked: this loads TensorFlow and Keras.
     results = run(config)
     return 0 if results["auc"] > 0.5 else 1
 
@@ -136,8 +139,8 @@ def _load_callable(parser, flag, spec):
 
 
 def _cmd_evaluator(args, parser):
+    from kfit_ps._setup import prepare_training
     from kfit_ps.cluster.spec import ClusterConfig
-    from kfit_ps.training import SidecarEvaluator
 
     if constants.tf_config():
         try:
@@ -150,6 +153,9 @@ def _cmd_evaluator(args, parser):
                          "'evaluator' (or unset TF_CONFIG).")
     if args.max_evaluations is not None:
         _require_positive(parser, ("--max-evaluations", args.max_evaluations))
+    prepare_training()  # Before the user's modules load: they may build kfit_ps models.
+    from kfit_ps.training import SidecarEvaluator
+
     model_fn = _load_callable(parser, "--model-fn", args.model_fn)
     data_fn = _load_callable(parser, "--data-fn", args.data_fn)
     print(f"kfit-ps evaluator: checkpoint_dir={args.checkpoint_dir!r} model_fn={args.model_fn} "
@@ -247,8 +253,12 @@ def main(argv=None):
     sys.stderr.flush()
     if args.command in ("quickstart", "evaluator", "run"):
         # The servers are gone; skip interpreter teardown, where TensorFlow would try (and
-        # loudly fail) to unregister functions from them. That skips autograph's clean-up too.
-        _tf_compat.remove_autograph_files()
+        # loudly fail) to unregister functions from them. That skips autograph's clean-up too
+        # (`run`, the launcher, loads no TensorFlow: its chief cleans up after itself).
+        if args.command != "run":
+            from kfit_ps._tf_compat import remove_autograph_files
+
+            remove_autograph_files()
         os._exit(status)
     return status
 

@@ -35,9 +35,9 @@ import threading
 import time
 import weakref
 
-from kfit_ps import _tf_compat, constants, net, validation
-from kfit_ps.cluster import server, worker_count
-from kfit_ps.cluster.logs import read_tail
+from kfit_ps import constants, net, validation
+from kfit_ps.cluster import worker_count
+from kfit_ps.cluster.logs import READY_LINE, read_tail
 from kfit_ps.cluster.spec import ClusterConfig
 from kfit_ps.cluster.start_errors import PortTaken, ServerNotReady
 
@@ -164,11 +164,14 @@ class LocalCluster:
             self._procs.clear()
             logs = list(self._logs.values())
             self._logs.clear()
-        if procs and self.config is not None:
+        if procs and self.config is not None and "tensorflow" in sys.modules:
             # Release what this process registered on the servers while they can still answer,
             # then stop talking to them; otherwise TensorFlow logs gRPC errors for each
             # function released later. Waits (bounded) for a worker recovery in progress,
-            # which must not overlap (see _tf_compat.forget_servers).
+            # which must not overlap (see _tf_compat.forget_servers). A process without
+            # TensorFlow (the launcher) never talked to them.
+            from kfit_ps import _tf_compat
+
             _tf_compat.forget_servers(
                 [self.config.address(t, i) for t, i in self.server_tasks()])
         worker_count.terminate(procs, _STOP_GRACE_SECONDS)
@@ -346,7 +349,7 @@ class LocalCluster:
         try:
             with open(self._log_path(task_type, index), "rb") as f:
                 f.seek(self._log_start[(task_type, index)])
-                return server.READY_LINE.encode() in f.read()
+                return READY_LINE.encode() in f.read()
         except OSError:
             return False
 

@@ -2,6 +2,10 @@
 
 import os
 
+# The line a server writes to its log once it serves (`kfit_ps.cluster.server`), which
+# `LocalCluster` waits for.
+READY_LINE = "kfit_ps server ready:"
+
 
 def read_tail(path, lines=20):
     """The last `lines` lines of the file at `path` (reads only its end), or "(no log)"."""

@@ -16,8 +16,7 @@ import time
 
 from kfit_ps import constants
 from kfit_ps._tf_compat import server_lib
-
-READY_LINE = "kfit_ps server ready:"
+from kfit_ps.cluster.logs import READY_LINE
 
 SECURITY_WARNING = (
     "kfit_ps: this TensorFlow server ({address}) listens on ALL network interfaces and accepts "

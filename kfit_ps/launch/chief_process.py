@@ -122,7 +122,7 @@ def remove_backups(backup_dir):
     """The script succeeded (exit 0): its backups in `backup_dir` are no longer needed."""
     if not backup_dir:
         return
-    import tensorflow as tf  # Only here: the supervisor starts without TensorFlow.
+    import tensorflow as tf  # Only here, for gs:// paths: the launcher runs without it.
 
     if tf.io.gfile.exists(backup_dir):
         tf.io.gfile.rmtree(backup_dir)

@@ -12,6 +12,8 @@
 - `http`: the small HTTP server of the chief (`/metrics`) and of the launcher
   (`/`, `/metrics`, `/status.json`); `page`: the status page.
 
-This layer imports neither TensorFlow nor Keras: the launcher serves it
-before any TensorFlow is loaded.
+This layer imports neither TensorFlow nor Keras, and neither does the package
+root (`import kfit_ps`): the launcher serves it without ever loading them
+(`tests/test_public_api.py` checks the launcher's modules in a fresh
+interpreter).
 """

@@ -24,7 +24,8 @@ def _build_optimizer_before_load(model):
 def install():
     """Routes `fit` / `evaluate` / `predict` (and `*_on_batch`) of kfit_ps models.
 
-    Called once by `import kfit_ps`; idempotent. Models built outside a kfit_ps
+    Called once by `kfit_ps._setup.prepare_training` (the first training name a process
+    takes from `kfit_ps`); idempotent. Models built outside a kfit_ps
     strategy scope keep Keras' own methods. A lost ps surfaces as
     `kfit_ps.errors.ParameterServerError` (`cluster_health`). `load_weights` of a kfit_ps model
     first creates its optimizer's slots, so that they are restored, never

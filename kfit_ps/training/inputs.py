@@ -37,7 +37,8 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from kfit_ps import ledger, validation
+import kfit_ps.ledger as ledger
+from kfit_ps import validation
 from kfit_ps.training.dataset_creator import DatasetCreator
 
 SUPPORTED_INPUTS = (

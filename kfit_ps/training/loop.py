@@ -43,7 +43,7 @@ import tensorflow as tf
 from keras.callbacks import CallbackList
 
 from kfit_ps import _tf_compat, embeddings, validation
-from kfit_ps import ledger as data_ledger
+import kfit_ps.ledger as data_ledger
 from kfit_ps.errors import Preempted, is_cluster_failure
 from kfit_ps.strategy import is_kfit_strategy
 from kfit_ps.training import (cluster_health, elastic, functions, inputs, metric_state,

@@ -2,8 +2,8 @@
 
 Kubernetes sends SIGTERM before it takes a pod away (a node drain, a spot
 preemption, an autoscaler scale-down) and SIGKILL a grace period later.
-`kfit-ps run` forwards the signal to the chief, whose `import kfit_ps`
-installed `install()`'s handler:
+`kfit-ps run` forwards the signal to the chief, where the first training name
+it took from `kfit_ps` installed `install()`'s handler (`kfit_ps._setup`):
 
 - during `fit`, the handler only records the request. `fit` schedules no
   further step, waits for the steps in flight (`join`), folds their metrics,
