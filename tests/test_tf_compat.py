@@ -53,6 +53,39 @@ def test_atomic_updates_install_once_and_keep_stock_behaviour_elsewhere():
     assert _tf_compat.is_kfit_variable(marked)
 
 
+def test_stateful_layer_hooks_exist_and_keep_stock_keras_outside_a_kfit_ps_scope():
+    import inspect
+
+    from keras.src.layers.normalization.batch_normalization import BatchNormalization
+    from keras.src.random.seed_generator import SeedGenerator
+
+    for _ in range(2):
+        _tf_compat.install_atomic_updates()
+        _tf_compat.install_exact_batch_norm()
+        _tf_compat.install_exact_seed_generator()
+    for method in (BatchNormalization.call, BatchNormalization._moments, SeedGenerator.next,
+                   keras_tf_core.Variable.assign):
+        assert hasattr(method, "_kfit_ps_stock")
+        assert not hasattr(method._kfit_ps_stock, "_kfit_ps_stock")  # wrapped exactly once
+    layer = keras.layers.BatchNormalization(momentum=0.9, renorm=True)
+    layer.build((None, 2))
+    for name in ("moving_mean", "moving_variance", "moving_stddev", "renorm_mean",
+                 "renorm_stddev", "momentum", "renorm_momentum", "epsilon", "renorm"):
+        assert hasattr(layer, name), name
+    assert list(inspect.signature(layer.call).parameters) == ["inputs", "training", "mask"]
+    x = np.array([[1.0, 2.0], [3.0, 6.0]], "float32")  # mean [2, 4], variance [1, 4]
+    plain = keras.layers.BatchNormalization(momentum=0.9)
+    plain(x, training=True)
+    np.testing.assert_allclose(plain.moving_mean.numpy(), [0.2, 0.4], rtol=1e-6)
+    np.testing.assert_allclose(plain.moving_variance.numpy(), [1.0, 1.3], rtol=1e-6)
+    seeds = keras.random.SeedGenerator(5)
+    assert seeds.next().numpy().tolist() == [5, 0]
+    assert seeds.state.numpy().tolist() == [5, 1]
+    with _tf_compat.redirected_assigns({id(plain.moving_mean): lambda value: 1 / 0}):
+        plain.moving_mean.assign([1.0, 1.0])  # not a kfit_ps variable: stock assign
+    assert plain.moving_mean.numpy().tolist() == [1.0, 1.0]
+
+
 def test_dispatch_routes_only_matching_models():
     calls = []
     keras_trainer.install_dispatch("test", lambda m: getattr(m, "_route_me", False),

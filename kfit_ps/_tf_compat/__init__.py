@@ -24,8 +24,11 @@ from kfit_ps._tf_compat.keras_variables import (
     install_atomic_updates,
     is_kfit_variable,
     mark_kfit_variable,
+    redirected_assigns,
     storage,
 )
+from kfit_ps._tf_compat.batch_norm import install_exact_batch_norm
+from kfit_ps._tf_compat.seed_generator import install_exact_seed_generator
 from kfit_ps._tf_compat.metric_scope import LocalStateScope
 from kfit_ps._tf_compat.pinned_variables import pinned_variable
 from kfit_ps._tf_compat.hash_tables import critical_section, hash_table
@@ -99,10 +102,13 @@ __all__ = [
     "forget_servers",
     "initial_epoch_override",
     "install_atomic_updates",
+    "install_exact_batch_norm",
+    "install_exact_seed_generator",
     "install_dispatch",
     "install_load_weights_hook",
     "is_kfit_variable",
     "mark_kfit_variable",
+    "redirected_assigns",
     "model_strategy",
     "storage",
     "symbolic_build",

@@ -10,8 +10,13 @@ atomically by the ps that holds the variable.
 TensorFlow-backend `Variable` class with versions that use the in-place op
 *only* for variables whose storage `mark_kfit_variable` marked (those created
 under a kfit_ps strategy scope); every other variable keeps stock behaviour.
+It also wraps `assign` so that a caller that knows what an assignment means
+can turn it into an atomic update: inside `redirected_assigns({id(v): fn})`,
+`v.assign(value)` runs `fn(value)` instead (`batch_norm.py` uses it for the
+moving statistics, whose `assign` is an exponential moving average).
 """
 
+import contextlib
 import threading
 
 import tensorflow as tf
@@ -23,6 +28,7 @@ from kfit_ps._tf_compat.versions import check_versions
 _MARK = "_kfit_ps_variable"
 _install_lock = threading.Lock()
 _installed = False
+_redirects = threading.local()  # .handlers: {id(keras variable): fn(value)} while redirected
 
 
 def mark_kfit_variable(tf_variable):
@@ -66,6 +72,35 @@ def _atomic(method_name, stock):
     return update
 
 
+@contextlib.contextmanager
+def redirected_assigns(handlers):
+    """Within the block, `v.assign(value)` calls `handlers[id(v)](value)` instead.
+
+    Only for marked variables whose updates write through to their storage (see
+    `writes_through`); the redirection is per thread and nests.
+    """
+    previous = getattr(_redirects, "handlers", None)
+    _redirects.handlers = {**(previous or {}), **handlers}
+    try:
+        yield
+    finally:
+        _redirects.handlers = previous
+
+
+def _redirecting_assign(stock):
+    def assign(self, value):
+        handlers = getattr(_redirects, "handlers", None)
+        handler = handlers.get(id(self)) if handlers else None
+        if handler is None or not is_kfit_variable(self) or not writes_through(self):
+            return stock(self, value)
+        return handler(value)
+
+    assign.__name__ = "assign"
+    assign.__doc__ = stock.__doc__
+    assign._kfit_ps_stock = stock
+    return assign
+
+
 def install_atomic_updates():
     """Installs the atomic updates once per process; idempotent and thread-safe."""
     global _installed
@@ -78,4 +113,6 @@ def install_atomic_updates():
             stock = getattr(cls, name)
             if not hasattr(stock, "_kfit_ps_stock"):
                 setattr(cls, name, _atomic(name, stock))
+        if not hasattr(cls.assign, "_kfit_ps_stock"):
+            cls.assign = _redirecting_assign(cls.assign)
         _installed = True

@@ -122,6 +122,8 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
                 "ParameterServerStrategy: `worker_timeout` must be a positive number of seconds "
                 f"or None. Received: worker_timeout={worker_timeout!r}.")
         _tf_compat.install_atomic_updates()
+        _tf_compat.install_exact_batch_norm()
+        _tf_compat.install_exact_seed_generator()
         if variable_partitioner is not None:
             _tf_compat.install_sharding_support()
         resolver = (_resolver_from_tf_config() if cluster_resolver is None
