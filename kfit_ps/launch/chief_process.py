@@ -101,6 +101,9 @@ def environment(tf_config, backup_dir=None, save_freq="epoch", run_dir=None, met
     env[constants.TF_CONFIG] = tf_config
     env[constants.LAUNCHED_ENV] = "1"
     env["PYTHONUNBUFFERED"] = "1"
+    # A chief that crashes in TensorFlow's C++ (a segfault, an abort) prints every thread's
+    # Python stack into its log: where each thread was is what names the cause.
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     env.pop(constants.BACKUP_DIR_ENV, None)
     if backup_dir:
         env[constants.BACKUP_DIR_ENV] = str(backup_dir)
