@@ -212,3 +212,34 @@ def test_bad_scale_requests_name_the_argument_and_say_what_to_do(tmp_path):
     assert status == 2 and "is not the run directory of a job" in err
     assert status2 == 2 and "--workers" in err2
     assert not os.listdir(tmp_path)
+
+
+def test_a_scale_flap_before_a_safe_point_is_not_a_stop(strategy, monkeypatch):
+    """2 -> 3 -> 2 within one window: the chief saw the new list, stopped scheduling and
+    dropped its queued functions, but the list was back to its own workers before the running
+    ones finished. The dropped steps run again on the same workers: `fit` completes, every
+    step counted once, and never reads the flap as a SIGTERM (it raised `Preempted`)."""
+    import keras
+    from kfit_ps.training import elastic
+
+    class Flap:  # The launcher's list as the chief reads it: new twice, then its own again.
+        looks = 0
+
+        def pending(self, strategy):
+            self.looks += 1
+            return self.looks in (5, 6)  # While scheduling, then while joining (dropping).
+
+        def apply(self, strategy, monitor):
+            raise AssertionError("a worker list that is no longer published was applied")
+
+    flap = Flap()
+    monkeypatch.setattr(elastic, "_current", [flap])
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse", metrics=[helpers.counting_metric()], steps_per_execution=5)
+    before = int(model.optimizer.iterations.numpy())
+    history = model.fit(kfit_ps.DatasetCreator(helpers.regression_dataset_fn()), epochs=1,
+                        steps_per_epoch=200, verbose=0)
+    assert flap.looks > 6
+    assert int(model.optimizer.iterations.numpy()) - before == 200
+    assert history.history["batches"] == [200.0]

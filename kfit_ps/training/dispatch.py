@@ -89,9 +89,13 @@ class Dispatcher:
                 self.ledger.dispatched(step, sizes)
                 self.ledger.joined(cancelled)
             step += sum(sizes[:len(sizes) - cancelled])
-            if preemption.requested() or not self.workers.pending(self.strategy):
+            if self.workers.pending(self.strategy) and not preemption.requested():
+                # A safe point: nothing in flight. The dropped steps run on the new workers.
+                self.workers.apply(self.strategy, self.monitor)
+            elif preemption.requested() or step >= stop:
                 if iterations is not None:
                     self.iterations = iterations + step - start
                 return step
-            # A safe point: nothing in flight. The dropped steps run on the new workers.
-            self.workers.apply(self.strategy, self.monitor)
+            # Else the worker list changed back before a safe point (a scale flap): the
+            # dropped steps run again on the same workers. Only a stop request ends a window
+            # early.
