@@ -233,7 +233,10 @@ def test_a_worker_that_keeps_dying_fails_the_job_with_a_summary(tmp_path):
 def test_stopping_the_launcher_stops_everything(tmp_path, how):
     job = Job(tmp_path, "--workers", "1", "--ps", "1", script_args=(1000, 500, 5))
     try:
-        job.read_until(lambda line: line.startswith("[chief]"))
+        if how == "SIGTERM":  # In `fit` (its first epoch ended), where SIGTERM stops it.
+            job.read_until(lambda line: "STEP" in line)
+        else:
+            job.read_until(lambda line: line.startswith("[chief]"))
         tasks = job.tasks()
         assert set(tasks) == {"worker:0", "ps:0", "chief:0"}
         started = time.monotonic()
@@ -243,6 +246,10 @@ def test_stopping_the_launcher_stops_everything(tmp_path, how):
             job.proc.send_signal(getattr(signal, how))
         job.proc.wait(timeout=30)
         assert time.monotonic() - started < 15
+        if how == "SIGTERM":  # No --backup-dir: the chief says no backup exists.
+            [stopped] = [line for line in job.proc.stdout.read().splitlines()
+                         if "fit stopped on SIGTERM" in line]
+            assert "but no backup was written" in stopped and "was written (" not in stopped
     finally:
         if job.proc.poll() is None:
             job.proc.kill()
@@ -422,6 +429,7 @@ def test_sigterm_saves_the_steps_in_flight_and_the_rerun_loses_none(tmp_path, to
     assert took < 60
     stopped = [line for line in job.lines if "fit stopped on SIGTERM after step" in line]
     assert len(stopped) == 1, "\n".join(job.lines[-40:])
+    assert f"a backup of them was written ({backup}" in stopped[0], stopped
     saved = int(stopped[0].split("after step ", 1)[1].split()[0])
     # 0 when the first function had not started yet (its registration takes seconds here).
     assert 0 <= saved < 8000 and saved % 5 == 0, stopped

@@ -298,11 +298,14 @@ def _one_pass_ledger(model, strategy, source):
 
 def _stop_preempted(sync, epoch, step, logs, steps_per_epoch):
     """Every step scheduled is applied: lets callbacks save, then stops the script."""
-    sync.preempted(epoch, step, dict(logs))
+    backups = sync.preempted(epoch, step, dict(logs))
+    saved = (f"and a backup of them was written ({', '.join(backups)}). Rerun the script to "
+             "resume." if backups else
+             "but no backup was written (no kfit_ps.callbacks.BackupAndRestore, and no "
+             "kfit-ps run --backup-dir): a rerun starts this fit over.")
     stopped = Preempted(
         f"fit stopped on SIGTERM after step {step} of epoch {epoch + 1} (of "
-        f"{steps_per_epoch} steps); every step scheduled was applied, and a backup callback "
-        "(kfit-ps run --backup-dir) saved them. Rerun the script to resume.")
+        f"{steps_per_epoch} steps); every step scheduled was applied, {saved}")
     print(f"kfit_ps: {stopped}", file=sys.stderr, flush=True)
     raise stopped
 

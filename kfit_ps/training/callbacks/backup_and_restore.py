@@ -194,7 +194,7 @@ class BackupAndRestore(SyncCallback):
         self._backup(*self._position(epoch, step))
 
     def on_train_preempt(self, epoch, step, logs):
-        self._backup(*self._position(epoch, step))
+        return self._backup(*self._position(epoch, step))
 
     def _position(self, epoch, step):
         """`(epoch, step)` to resume from after `step` steps of `epoch`."""
@@ -238,6 +238,7 @@ class BackupAndRestore(SyncCallback):
             checkpoint_files.publish(path, iteration, epoch, step, fit=self.fit_id,
                                      history=self._history, ledger=self.ledger_state)
         self._remove_backups_before(self._sequence)  # Only now that a newer one is complete.
+        return path
 
     def _remove_backups_before(self, sequence):
         for older in self._sequences():

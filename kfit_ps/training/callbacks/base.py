@@ -54,7 +54,8 @@ class SyncCallback(keras.callbacks.Callback):
         return None
 
     def on_train_preempt(self, epoch, step, logs):
-        """Called once `step` steps of `epoch` are applied and `fit` is about to stop."""
+        """Called once `step` steps of `epoch` are applied and `fit` is about to stop; returns
+        the path of the backup it wrote, if it wrote one."""
 
     def on_train_failed(self, error):
         """Called when `fit` raises `error`, a failure of the program (not of the cluster):
@@ -94,9 +95,10 @@ class SyncPoints:
             cb.on_train_failed(error)
 
     def preempted(self, epoch, step, logs):
-        """Tells every callback that `fit` stops after `step` steps of `epoch` (all applied)."""
-        for cb in self._callbacks:
-            cb.on_train_preempt(epoch, step, logs)
+        """Tells every callback that `fit` stops after `step` steps of `epoch` (all applied);
+        returns the paths of the backups they wrote."""
+        written = [cb.on_train_preempt(epoch, step, logs) for cb in self._callbacks]
+        return [path for path in written if path]
 
     def synchronised(self, epoch, step, logs):
         """Tells each due callback that `step` steps of `epoch` are done and applied."""
