@@ -17,6 +17,7 @@ moving statistics, whose `assign` is an exponential moving average).
 """
 
 import contextlib
+import functools
 import threading
 
 import tensorflow as tf
@@ -88,6 +89,7 @@ def redirected_assigns(handlers):
 
 
 def _redirecting_assign(stock):
+    @functools.wraps(stock)
     def assign(self, value):
         handlers = getattr(_redirects, "handlers", None)
         handler = handlers.get(id(self)) if handlers else None
@@ -95,8 +97,6 @@ def _redirecting_assign(stock):
             return stock(self, value)
         return handler(value)
 
-    assign.__name__ = "assign"
-    assign.__doc__ = stock.__doc__
     assign._kfit_ps_stock = stock
     return assign
 

@@ -16,6 +16,7 @@ or Keras' `ordered=False` step), so it is saved and restored as before.
 Generators outside a kfit_ps scope run Keras' code as is.
 """
 
+import functools
 import threading
 
 import numpy as np
@@ -43,6 +44,7 @@ def _section(generator, inner):
 
 
 def _exact_next(stock):
+    @functools.wraps(stock)
     def next(self, ordered=True):
         state = self.state
         inner = storage(state)
@@ -64,8 +66,6 @@ def _exact_next(stock):
 
         return _section(self, inner).execute(draw)
 
-    next.__name__ = "next"
-    next.__doc__ = stock.__doc__
     next._kfit_ps_stock = stock
     return next
 
