@@ -396,7 +396,7 @@ def test_the_monitor_counts_rows_admitted_and_evicted_on_each_ps(strategy):
     samples = metrics.parse(watcher.metrics.text().decode())
     for task, figures in per_ps.items():
         index = task.split(":")[1]
-        labels = lambda name: (name, frozenset({"job": "kfit_ps", "task_type": "ps",  # noqa
+        labels = lambda name: (name, frozenset({"kfit_job": "kfit_ps", "task_type": "ps",  # noqa
                                                  "task_index": index}.items()))
         assert samples[labels("kfit_ps_table_rows")] == figures["rows"]
         assert samples[labels("kfit_ps_table_admitted_total")] == figures["admitted"]

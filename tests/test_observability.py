@@ -18,7 +18,7 @@ from kfit_ps.observe import diagnosis, events, metrics
 from tests import browser, helpers
 from tests.test_launcher import Job
 
-ALLOWED_LABELS = {"job", "task_type", "task_index", "reason", "le"}
+ALLOWED_LABELS = {"kfit_job", "task_type", "task_index", "reason", "le"}
 
 # Trains until the file argv[1] exists; TensorBoard (with per-task scalars) in argv[2].
 LIVE = textwrap.dedent("""
@@ -199,6 +199,29 @@ def test_every_metric_of_the_table_serves_a_bounded_page_that_prometheus_parses(
     # The restart reasons are the whole label set of `reason`.
     assert {job_view.restart_reason(s) for s in (-9, -15, 75, 1, 2)} <= set(
         metrics.RESTART_REASONS)
+    # A worker that left the job (`kfit-ps scale`) has no series left, not "down" ones.
+    served.forget("worker:1")
+    left = bounded(served.text().decode())
+    assert not [labels for _, labels in left if ("task_index", "1") in labels and (
+        "task_type", "worker") in labels]
+    assert {name for name, _ in left} == names  # The other tasks' series stay.
+    assert all(("kfit_job", "job-a") in labels for _, labels in left)
+
+
+def test_the_chief_forgets_a_removed_worker_and_a_new_one_at_its_index_is_served():
+    """A worker removed by a scale-down loses its series and diagnosis; a worker added later
+    at the same index gets series of its own (the chief cached the removed one's)."""
+    from kfit_ps.training import monitor as monitor_lib
+
+    monitor = monitor_lib.JobMonitor()
+    monitor._child("kfit_ps_steps", "worker:2").inc(7)
+    monitor._child("kfit_ps_steps", "worker:0").inc(3)
+    monitor.forget("worker:2")
+    page = monitor.metrics.text().decode()
+    assert 'task_index="2"' not in page and 'task_index="0"' in page
+    monitor._child("kfit_ps_steps", "worker:2").inc(1)
+    assert re.search(r'kfit_ps_steps_total\{[^}]*task_index="2"[^}]*\} 1\.0',
+                     monitor.metrics.text().decode())
 
 
 def test_an_event_log_appends_whole_lines_from_two_processes(tmp_path):

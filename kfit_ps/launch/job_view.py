@@ -143,7 +143,7 @@ class JobView:
         self._pids.pop(task, None)
         self._ended.pop(task, None)
         self._cpu.pop(task, None)
-        self.metrics.child("kfit_ps_task_up", task).set(0)
+        self.metrics.forget(task)  # Not a task of the job any more: no series, no alert.
         self.log.emit("task_removed", task, reason)
 
     def ended(self, task, status, reason):

@@ -2,8 +2,10 @@
 
 Metric names are a contract with dashboards and alerts: this table defines
 each one, `docs/observability.md` prints it, `tests/test_observability.py`
-pins it. Every metric carries the labels `job`, `task_type` and
-`task_index` and no other, except `kfit_ps_task_restarts_total`, whose
+pins it. Every metric carries the labels `kfit_job`, `task_type` and
+`task_index` and no other (not `job`: Prometheus sets `job` on every scraped
+series itself, and under default scrape configs renames a `job` label of the
+page to `exported_job`), except `kfit_ps_task_restarts_total`, whose
 `reason` takes one of `RESTART_REASONS`: label sets stay bounded (no
 per-step, per-id or per-pid label).
 
@@ -17,10 +19,12 @@ Who serves which:
   metrics too, so that one port per pod is scraped.
 """
 
+import threading
+
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-LABELS = ("job", "task_type", "task_index")
+LABELS = ("kfit_job", "task_type", "task_index")
 # Dispatched-function latency: 1 ms to 1000 s, three buckets per decade.
 FUNCTION_BUCKETS = tuple(m * 10.0 ** e for e in range(-3, 3) for m in (1, 2, 5)) + (1000.0,)
 SAVE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 1000.0)
@@ -77,6 +81,8 @@ class Metrics:
         self.job = job
         self.registry = CollectorRegistry(auto_describe=True)
         self._metrics = {}
+        self._series = {}  # task -> {(metric name, label values)} of its series
+        self._lock = threading.Lock()
         for name, (kind, help_text, extra, served_by) in TABLE.items():
             if served_by != role:
                 continue
@@ -90,8 +96,18 @@ class Metrics:
     def child(self, name, task, **extra):
         """The time series of metric `name` for `task` (`"worker:1"`)."""
         task_type, index = task.split(":")
-        return self._metrics[name].labels(job=self.job, task_type=task_type, task_index=index,
-                                          **extra)
+        values = (self.job, task_type, index, *extra.values())  # LABELS, then the extra ones
+        with self._lock:
+            self._series.setdefault(task, set()).add((name, values))
+        return self._metrics[name].labels(*values)
+
+    def forget(self, task):
+        """Removes every series of `task`: a worker that left the job is no longer a task of
+        it (neither "up" nor "down"), and alerts on `kfit_ps_task_up == 0` stay quiet."""
+        with self._lock:
+            series = self._series.pop(task, set())
+        for name, values in series:
+            self._metrics[name].remove(*values)
 
     def text(self):
         """The Prometheus text exposition of every metric."""

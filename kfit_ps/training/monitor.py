@@ -226,10 +226,21 @@ class JobMonitor:
             for task in set(self._workers) - set(before):
                 self._joined[task] = time.monotonic()
         for task in set(before) - set(self._workers):
-            self.diagnosis.steps.forget(task)
-            self.diagnosis.busy.forget(task)
+            self.forget(task)
         self.event("workers", None, reason, workers=strategy.num_workers,
                    addresses=list(strategy.worker_addresses))
+
+    def forget(self, task):
+        """`task` (a worker) left the job: its series and diagnosis go; a worker added later
+        at its index starts new series."""
+        self.diagnosis.steps.forget(task)
+        self.diagnosis.busy.forget(task)
+        with self._lock:
+            self._steps.pop(task, None)
+            self._busy.pop(task, None)
+            for key in [k for k in self._children if k[1] == task]:
+                del self._children[key]
+        self.metrics.forget(task)
 
     def _sample_loop(self, stop):
         interval = constants.diagnosis_interval()
