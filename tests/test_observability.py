@@ -224,6 +224,25 @@ def test_the_chief_forgets_a_removed_worker_and_a_new_one_at_its_index_is_served
                      monitor.metrics.text().decode())
 
 
+def test_an_unwritable_event_log_is_said_once_and_a_remote_run_dir_is_refused(tmp_path, capsys):
+    """Events that cannot be appended are said to be lost (once, and once when the log works
+    again), never silently; the launcher refuses a `--run-dir` it could not write."""
+    from kfit_ps.launch import LaunchConfig
+
+    log = events.EventLog(str(tmp_path / "missing" / "events.jsonl"), "chief")
+    for _ in range(3):
+        log.emit("epoch", None, "an epoch ended")
+    err = capsys.readouterr().err
+    assert err.count("cannot append to the event log") == 1 and "missing" in err
+    (tmp_path / "missing").mkdir()
+    log.emit("epoch", None, "an epoch ended")
+    assert capsys.readouterr().err.count("is written again") == 1
+    assert len(events.read(log.path)) == 1
+    with pytest.raises(ValueError, match=r"`run_dir` \(--run-dir\) must be a local directory.*"
+                                         r"Received: run_dir='gs://bucket/run'"):
+        LaunchConfig(command=("python", "train.py"), run_dir="gs://bucket/run")
+
+
 def test_an_event_log_appends_whole_lines_from_two_processes(tmp_path):
     path = str(tmp_path / "events.jsonl")
     code = textwrap.dedent(f"""

@@ -97,6 +97,12 @@ class LaunchConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"LaunchConfig: `{name}` must be a number of seconds >= 0. "
                                  f"Received: {name}={value!r}.")
+        if self.run_dir is not None and "://" in str(self.run_dir):
+            raise ValueError(
+                "LaunchConfig: `run_dir` (--run-dir) must be a local directory: the launcher "
+                "writes its logs, tasks.json, the event log and membership/ there with plain "
+                f"file I/O. Received: run_dir={self.run_dir!r}. Pass a local path; backups can "
+                "live on remote storage (--backup-dir gs://...).")
         if self.ps_recovery not in ("in-place", "restart"):
             raise ValueError("LaunchConfig: `ps_recovery` must be 'in-place' or 'restart' "
                              f"(--ps-recovery). Received: ps_recovery={self.ps_recovery!r}.")

@@ -17,6 +17,7 @@ directory is local.) A plain script logs events only when it sets
 
 import json
 import os
+import sys
 import threading
 import time
 
@@ -57,6 +58,7 @@ class EventLog:
         self.path = path
         self.source = source  # "launcher" or "chief"
         self._lock = threading.Lock()
+        self._failing = False  # Said once when appending fails, and once when it works again.
 
     def emit(self, kind, task=None, reason="", **fields):
         if kind not in KINDS:
@@ -72,8 +74,17 @@ class EventLog:
                     os.write(fd, line)
                 finally:
                     os.close(fd)
-            except OSError:
-                pass
+            except OSError as e:
+                if not self._failing:
+                    self._failing = True
+                    print(f"kfit_ps: cannot append to the event log {self.path} ({e}); events "
+                          "are not logged until it works again (KFIT_PS_EVENTS must be a local "
+                          "file path)", file=sys.stderr, flush=True)
+                return event
+            if self._failing:
+                self._failing = False
+                print(f"kfit_ps: the event log {self.path} is written again",
+                      file=sys.stderr, flush=True)
         return event
 
 
