@@ -243,6 +243,27 @@ def test_an_unwritable_event_log_is_said_once_and_a_remote_run_dir_is_refused(tm
         LaunchConfig(command=("python", "train.py"), run_dir="gs://bucket/run")
 
 
+def test_the_status_page_reads_only_what_the_event_log_appended(tmp_path):
+    """`/status.json` follows the event log (`events.Follower`): each read returns the whole
+    lines appended since the last one, a half-written line once it is whole, and a new log
+    from its start."""
+    path = tmp_path / "events.jsonl"
+    log, follower = events.EventLog(str(path), "chief"), events.Follower(str(path))
+    assert follower.new() == []  # No log yet.
+    log.emit("epoch", None, "one")
+    log.emit("backup", None, "two")
+    assert [e["reason"] for e in follower.new()] == ["one", "two"]
+    assert follower.new() == []
+    with open(path, "ab") as f:
+        f.write(b'{"event": "stop", "reas')
+        f.flush()
+        assert follower.new() == []
+        f.write(b'on": "three"}\n')
+    assert [e["reason"] for e in follower.new()] == ["three"]
+    path.write_bytes(b'{"event": "start", "reason": "again"}\n')  # A new log, shorter.
+    assert [e["reason"] for e in follower.new()] == ["again"]
+
+
 def test_an_event_log_appends_whole_lines_from_two_processes(tmp_path):
     path = str(tmp_path / "events.jsonl")
     code = textwrap.dedent(f"""

@@ -14,7 +14,9 @@ serves, at `--status-address:--status-port`:
 `kfit-ps status` reads `status.json` (its address is in `tasks.json`).
 """
 
+import collections
 import json
+import threading
 import time
 import urllib.request
 
@@ -51,6 +53,10 @@ class JobView:
         self.run_dir = run_dir
         self.events_path = os.path.join(run_dir, "events.jsonl")
         self.log = event_log.EventLog(self.events_path, "launcher")
+        self._events = event_log.Follower(self.events_path)
+        self._notable = collections.deque(maxlen=RECENT_EVENTS)  # The page's recent events.
+        self._epochs = []  # `epoch` events: the curve.
+        self._events_lock = threading.Lock()
         self.chief_metrics_port = chief_metrics_port
         self.started = time.time()
         self.state = "starting"
@@ -226,12 +232,13 @@ class JobView:
                 "straggler": bool(seen.get("kfit_ps_straggler")),
                 "hot": bool(seen.get("kfit_ps_hot_ps")),
             })
-        events = event_log.read(self.events_path)
-        notable = [e for e in events if e.get("event") != "epoch"]  # Epochs: the curve.
+        with self._events_lock:  # Requests may come in on several threads.
+            for event in self._events.new():
+                (self._epochs if event.get("event") == "epoch" else self._notable).append(event)
+            notable, curve = list(self._notable), _curve(self._epochs)
         return {"job": self.job, "state": self.state, "started": self.started,
                 "now": time.time(), "restarts": sum(self._restarts.values()),
-                "tasks": tasks, "events": notable[-RECENT_EVENTS:],
-                "curve": _curve(events)}
+                "tasks": tasks, "events": notable, "curve": curve}
 
 
 def _task_order(task):

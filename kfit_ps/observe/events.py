@@ -101,6 +101,42 @@ def from_environment(source):
     return EventLog(path, source) if path else None
 
 
+class Follower:
+    """Reads the log at `path` as it grows: each `new()` returns the events appended since
+    the last call, whole lines only (a line being written waits for the next call).
+
+    The status page asks for the job's events on every request; reading only what was
+    appended keeps a request's cost flat however long the job runs.
+    """
+
+    def __init__(self, path):
+        self.path = path
+        self._offset = 0
+        self._partial = b""
+        self._lock = threading.Lock()
+
+    def new(self):
+        with self._lock:
+            try:
+                with open(self.path, "rb") as f:
+                    if os.fstat(f.fileno()).st_size < self._offset:  # A new log: start over.
+                        self._offset, self._partial = 0, b""
+                    f.seek(self._offset)
+                    data = f.read()
+            except OSError:
+                return []
+            self._offset += len(data)
+            lines = (self._partial + data).split(b"\n")
+            self._partial = lines.pop()
+        events = []
+        for line in lines:
+            try:
+                events.append(json.loads(line))
+            except ValueError:
+                continue
+        return events
+
+
 def read(path):
     """Every event of the log at `path`, in order (a line being written is skipped)."""
     events = []
