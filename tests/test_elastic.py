@@ -170,6 +170,21 @@ def test_a_resized_coordinator_keeps_variables_and_each_kept_workers_iterator():
             cluster.kill("worker", 0)
             cluster.restart("worker", 0)
             out["restarted"] = [sum(run(50).values()), float(total.numpy())]
+            # TensorFlow's recovery thread busy updating the cluster (it holds this lock):
+            # the resize leaves the cluster as it is and says why, within its wait.
+            from kfit_ps._tf_compat import worker_set
+            worker_set._QUIESCE_SECONDS = 1.0
+            lock = strategy.coordinator._cluster.failure_handler._cluster_update_lock
+            lock.acquire()
+            started = time.monotonic()
+            try:
+                strategy.resize_workers(cluster.config.cluster["worker"])
+            except kfit_ps.ClusterError as e:
+                out["refused"] = [str(e), time.monotonic() - started,
+                                  _tf_compat.worker_addresses() == list(
+                                      cluster.config.cluster["worker"])]
+            finally:
+                lock.release()
         report(**out)
         os._exit(0)
     """)
@@ -180,6 +195,9 @@ def test_a_resized_coordinator_keeps_variables_and_each_kept_workers_iterator():
     assert result["one"] == [50, 450.0] and result["addresses_agree"]
     # A worker restarted after the resize gets its iterator rebuilt by the new coordinator.
     assert result["restarted"] == [50, 500.0]
+    message, took, unchanged = result["refused"]
+    assert "worker recovery did not end within 1 s" in message and "rerun the script" in message
+    assert took < 10 and unchanged
 
 
 def test_scale_requests_and_worker_lists_are_published_data_then_marker(tmp_path):

@@ -11,7 +11,8 @@ one place, with a clear message.
 from kfit_ps._tf_compat.versions import SUPPORTED, check_versions
 from kfit_ps._tf_compat.autograph_files import remove_autograph_files
 from kfit_ps._tf_compat.closure_hook import observe_closures
-from kfit_ps._tf_compat.worker_set import resize_workers, track_per_worker, worker_addresses
+from kfit_ps._tf_compat.worker_set import (RecoveryInProgress, resize_workers, track_per_worker,
+                                          worker_addresses)
 from kfit_ps._tf_compat import ps_restore
 from kfit_ps._tf_compat.eager_context import (
     forget_servers,
@@ -64,6 +65,7 @@ from kfit_ps._tf_compat.keras_trainer import (
 
 __all__ = [
     "observe_closures",
+    "RecoveryInProgress",
     "resize_workers",
     "ps_restore",
     "track_per_worker",

@@ -7,7 +7,10 @@ connected to, and its recovery re-applies that same server def
 unmerged). `resize_workers` works around it at a safe point, with no function
 in flight:
 
-1. the coordinator stops taking work (`eager_context.quiesce`);
+1. the coordinator stops taking work (`eager_context.quiesce`); if TensorFlow's
+   recovery thread is still updating the cluster (a worker lost and not back)
+   after `_QUIESCE_SECONDS`, nothing is changed and `RecoveryInProgress` is
+   raised: two cluster updates at once crash the process;
 2. the eager context's cluster is updated in place to the new worker list
    (`context.update_server_def`, TensorFlow's path for replaced tasks: the ps
    tasks and kept workers keep their state, so every variable stays where it is;
@@ -34,6 +37,11 @@ from kfit_ps._tf_compat.versions import check_versions
 _WORKER = "worker"
 _tracked = weakref.WeakSet()
 _QUIESCE_SECONDS = 30.0
+
+
+class RecoveryInProgress(RuntimeError):
+    """TensorFlow's recovery thread was still updating the cluster: the workers were left
+    as they were (a second update beside it crashes the process)."""
 
 
 def track_per_worker(values):
@@ -111,7 +119,9 @@ def resize_workers(strategy, addresses):
     old_workers = []
     if old is not None:
         old_workers = list(old._cluster.workers)
-        quiesce(old, time.monotonic() + _QUIESCE_SECONDS)
+        if not quiesce(old, time.monotonic() + _QUIESCE_SECONDS):
+            raise RecoveryInProgress(
+                f"TensorFlow's worker recovery did not end within {_QUIESCE_SECONDS:g} s")
     ctx = context.context()
     ctx.update_server_def(_server_def_with_workers(ctx.get_server_def(), addresses))
     strategy._num_workers = len(addresses)

@@ -166,7 +166,15 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
                 f"of 'host:port' strings. Received: addresses={list(addresses)!r}.")
         wait_for_servers({constants.WORKER: addresses, constants.PS: []},
                          constants.startup_timeout())
-        coordinator = _tf_compat.resize_workers(self, addresses)
+        try:
+            coordinator = _tf_compat.resize_workers(self, addresses)
+        except _tf_compat.RecoveryInProgress as e:
+            raise ClusterError(
+                f"ParameterServerStrategy.resize_workers: {e} (a lost worker is not back), so "
+                "the workers could not be changed: a second cluster update beside TensorFlow's "
+                "would crash this process. This coordinator has stopped; rerun the script to "
+                "resume from its last backup (kfit-ps run restarts the job by itself).",
+                tasks=[f"{constants.WORKER}:{i}" for i in range(self._num_workers)]) from None
         self._num_workers = len(addresses)
         self._worker_addresses = addresses
         return _tf_compat.track_coordinator(coordinator)
