@@ -113,6 +113,22 @@ def test_shardable_dataset_and_validation_are_exact(strategy):
     np.testing.assert_allclose(history.history["val_loss"][-1], expected["loss"], rtol=1e-5)
 
 
+def test_fewer_batches_than_shards_evaluate_exactly(strategy):
+    """61 rows in batches of 32 (2 batches) against the default 10 shards of 2 workers: a
+    dataset built on the coordinator reaches the workers as a `DistributedDataset`, whose own
+    sharding tried files ("the dataset only has 2 file(s)"); its copies are split by element
+    as the coordinator decided. Shards 2..9 are empty; each batch counts once."""
+    import kfit_ps
+
+    x, y, dataset = _data(rows=61, batch=32)
+    model = _model(strategy)
+    logs = model.evaluate(kfit_ps.shardable(dataset), return_dict=True, verbose=0)
+    expected = _stock(model, x, y, batch=32)
+    assert logs["batches"] == 2 == expected["batches"]
+    np.testing.assert_allclose([logs["loss"], logs["mae"]], [expected["loss"], expected["mae"]],
+                               rtol=1e-6)
+
+
 def test_sharded_tables_are_read_once_per_shard_and_evaluate_exactly(cluster, monkeypatch):
     """A sharded evaluation reads a snapshot of every variable, sharded tables included,
     at the start of each shard: the same results as per-batch reads and lookups."""

@@ -212,6 +212,13 @@ def test_private_apis_of_this_issue_still_exist():
     cluster_source = inspect.getsource(cluster_coordinator.Cluster)
     for name in ("failure_handler", "workers", "closure_queue", "resource_cancellation_mgr"):
         assert f"self.{name}" in cluster_source, name
+    # What `datasets.shard_dataset` rebuilds a coordinator-built dataset's copies with.
+    from tensorflow.python.distribute import input_lib
+    distributed_source = inspect.getsource(input_lib.DistributedDataset)
+    for name in ("_cloned_datasets", "_input_workers", "_strategy", "_element_spec", "_options",
+                 "_enable_get_next_as_optional"):
+        assert f"self.{name}" in distributed_source, name
+    assert "components=" in inspect.getsource(input_lib.DistributedDataset.__init__)
     assert "context.context().update_server_def" in handler_attrs
     # What `worker_set.resize_workers` (elastic workers) relies on.
     worker_source = inspect.getsource(cluster_coordinator.Worker)

@@ -13,7 +13,7 @@ overrides them; left OFF, every shard would see all data).
 import warnings
 
 import tensorflow as tf
-from tensorflow.python.distribute import input_ops
+from tensorflow.python.distribute import input_lib, input_ops
 
 from kfit_ps._tf_compat.versions import check_versions
 
@@ -66,15 +66,31 @@ def shard_dataset(dataset, num_shards, index, policy):
     rewrite takes its policy from there), so the policy is set again.
     """
     check_versions()
+    num_shards = tf.cast(num_shards, tf.int64)
     if isinstance(dataset, tf.data.Dataset):
-        if policy == AutoShardPolicy.DATA:  # Every element of the pipeline, one in `num_shards`.
-            return dataset.shard(tf.cast(num_shards, tf.int64), index)
-        dataset = _with_policy(dataset, policy)
+        return _shard(dataset, num_shards, index, policy)
+    # A `DistributedDataset` (a dataset built on the coordinator, each worker's copy): its
+    # own `auto_shard` would read the policy from its components' options, which report
+    # the default (AUTO) here and then tried files: a small `from_tensor_slices` dataset
+    # failed with "the dataset only has 2 file(s)". Its components are sharded by `policy`.
+    components = []
+    for component in dataset._cloned_datasets:
+        with tf.compat.v1.colocate_with(component._variant_tensor):
+            components.append(_shard(component, num_shards, index, policy))
+    return input_lib.DistributedDataset(
+        dataset._input_workers, dataset._strategy, components=components,
+        element_spec=dataset._element_spec, options=dataset._options,
+        enable_get_next_as_optional=dataset._enable_get_next_as_optional)
+
+
+def _shard(dataset, num_shards, index, policy):
+    if policy == AutoShardPolicy.DATA:  # Every element of the pipeline, one in `num_shards`.
+        return dataset.shard(num_shards, index)
     with warnings.catch_warnings():
         # `options()` in a traced function warns that serialized options may differ;
-        # the policy was set just above and where the dataset was built.
+        # the policy is set again here, as where the dataset was built.
         warnings.simplefilter("ignore", UserWarning)
-        return input_ops.auto_shard_dataset(dataset, tf.cast(num_shards, tf.int64), index)
+        return input_ops.auto_shard_dataset(_with_policy(dataset, policy), num_shards, index)
 
 
 _SHUFFLE_OPS = ("ShuffleDataset", "ShuffleDatasetV2", "ShuffleDatasetV3",
