@@ -8,7 +8,7 @@ and `LocalCluster` passes the environment on to its servers.
 | variable | default | meaning |
 | --- | --- | --- |
 | `TF_CONFIG` | unset | cluster spec + this task, TensorFlow's JSON format |
-| `KERAS_BACKEND` | `tensorflow` | set by `import kfit_ps` when unset; another backend is an ImportError |
+| `KERAS_BACKEND` | `tensorflow` | set by `import kfit_ps` when unset; another backend is an ImportError at the first training name a process uses (`kfit_ps._setup`) |
 | `KFIT_PS_STARTUP_TIMEOUT` | `120` | seconds a `LocalCluster` waits for its servers to start serving (then `kfit-ps run` kills and restarts one that does not), and a chief waits for every worker and ps to accept connections before it connects |
 | `KFIT_PS_PARENT_POLL` | `0.5` | seconds between a server's checks that its launcher is alive |
 | `KFIT_PS_WORKER_INTER_OP_THREADS` | `0` | inter-op threads of a worker server; 0 = max(4, workers + 1, cores) |

@@ -10,10 +10,6 @@ import tensorflow as tf
 
 from kfit_ps import exit_status
 
-# Exit status of a chief that stopped on a `ClusterError` under `kfit-ps run`: the launcher
-# restarts the job (`kfit_ps.exit_status`, the table of every status).
-EXIT_CLUSTER_ERROR = exit_status.CLUSTER_ERROR
-
 
 class ClusterError(RuntimeError, tf.errors.UnavailableError):
     """A task that training needs is unreachable; retrying after it is back resumes the job.
@@ -73,7 +69,7 @@ def is_cluster_failure(error):
 
 def exit_with_status_on_cluster_error(before_exit=None):
     """Makes an uncaught cluster failure (`is_cluster_failure`) end the process with
-    `EXIT_CLUSTER_ERROR`.
+    `exit_status.CLUSTER_ERROR` (75; `kfit_ps.exit_status` is the table of every status).
 
     Installed in a chief started by `kfit-ps run` by the first training name it takes
     from `kfit_ps` (`kfit_ps._setup.prepare_training`); the launcher
@@ -96,6 +92,6 @@ def exit_with_status_on_cluster_error(before_exit=None):
                     pass
             if before_exit is not None:
                 before_exit()
-            os._exit(EXIT_CLUSTER_ERROR)
+            os._exit(exit_status.CLUSTER_ERROR)
 
     sys.excepthook = excepthook

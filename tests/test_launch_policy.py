@@ -3,7 +3,6 @@
 import pytest
 
 from kfit_ps import exit_status
-from kfit_ps.errors import EXIT_CLUSTER_ERROR
 from kfit_ps.launch import Action, LaunchConfig, RestartPolicy, TaskExit
 
 
@@ -16,7 +15,7 @@ def decide(policy, task, status, server_lost=False):
     ("chief:0", 1, False, Action.FAIL),                 # the program failed: not retried
     ("chief:0", 2, False, Action.FAIL),
     ("chief:0", -9, False, Action.RESTART_JOB),         # chief lost (SIGKILL)
-    ("chief:0", EXIT_CLUSTER_ERROR, False, Action.RESTART_JOB),  # fit raised a ClusterError
+    ("chief:0", exit_status.CLUSTER_ERROR, False, Action.RESTART_JOB),  # a ClusterError
     ("chief:0", 1, True, Action.RESTART_JOB),           # it failed because a server was lost
     ("chief:0", exit_status.PREEMPTED, False, Action.RESTART_JOB),  # stopped on SIGTERM
     ("chief:0", exit_status.KILLED, False, Action.RESTART_JOB),
@@ -40,7 +39,7 @@ def test_a_lost_ps_with_the_chief_running_restores_in_place_and_counts_against_i
     assert "restores its variables in place" in first.reason
     assert policy.decide(TaskExit("ps:1", -9, ""), ps_in_place=True).action is Action.FAIL
     # The chief then failing with a cluster error (it could not restore): the job restarts.
-    assert decide(policy, "chief:0", EXIT_CLUSTER_ERROR).action is Action.RESTART_JOB
+    assert decide(policy, "chief:0", exit_status.CLUSTER_ERROR).action is Action.RESTART_JOB
     assert LaunchConfig(command=("x",)).ps_recovery == "in-place"
     with pytest.raises(ValueError, match="--ps-recovery.*Received: ps_recovery='later'"):
         LaunchConfig(command=("x",), ps_recovery="later")

@@ -33,7 +33,8 @@ KINDS = {
     "worker_ready": "a worker added by `kfit-ps scale` serves (`pid`)",
     "workers": "the chief trains on a new set of workers (`workers`, `addresses`)",
     "first_step": "a worker that joined finished its first function (`seconds` after the chief took it)",
-    "ps_lost": "a ps was lost: the chief's fit stops and the job restarts",
+    "ps_lost": ("a ps was lost: restarted and restored in place by the chief where it can "
+                "(`--ps-recovery in-place`, then `ps_restored`), else the job restarts"),
     "ps_restored": "a lost ps was restored in place (`seconds`, `backup_step`, `bytes`)",
     "job_restart": "every task of this host is restarted; the chief resumes from its backup",
     "fit_begin": "a fit began (`epochs`, `steps_per_epoch`)",

@@ -26,7 +26,8 @@ def install():
 
     Called once by `kfit_ps._setup.prepare_training` (the first training name a process
     takes from `kfit_ps`); idempotent. Models built outside a kfit_ps
-    strategy scope keep Keras' own methods. A lost ps surfaces as
+    strategy scope keep Keras' own methods. A lost ps is restored in place where
+    `ps_recovery` can (under `kfit-ps run`), else surfaces as
     `kfit_ps.errors.ParameterServerError` (`cluster_health`). `load_weights` of a kfit_ps model
     first creates its optimizer's slots, so that they are restored, never
     skipped.

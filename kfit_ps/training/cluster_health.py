@@ -9,10 +9,13 @@ argument, else `KFIT_PS_WORKER_TIMEOUT`, 300 by default), it raises
 `kfit_ps.errors.WorkersLostError` naming the workers and the timeout. A
 worker that comes back in time is taken back by TensorFlow as usual.
 
-A lost ps is not recoverable in-process: the variables it held are gone.
-TensorFlow then raises gRPC errors from `join()` or from reading a variable;
-`cluster_errors()` turns those (and only those: errors of the program pass
-through) into `kfit_ps.errors.ParameterServerError` naming the ps tasks,
+A lost ps takes the variables it held with it. Under `kfit-ps run
+--ps-recovery in-place` (the default) the chief restores them in place where
+it can (`kfit_ps.training.ps_recovery`); where it cannot (no backup yet, a
+`DynamicEmbedding`, one-pass epochs, a plain script, several hosts),
+TensorFlow's gRPC errors from `join()` or from reading a variable reach the
+caller: `cluster_errors()` turns those (and only those: errors of the program
+pass through) into `kfit_ps.errors.ParameterServerError` naming the ps tasks,
 without the wall of gRPC text (kept as the error's `tf_error`).
 """
 
