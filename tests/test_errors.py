@@ -107,11 +107,18 @@ def test_fit_in_scope_on_model_built_outside(strategy):
 def test_other_unsupported_fit_arguments(model):
     x, y = helpers.regression_arrays(rows=10)
     with pytest.raises(ValueError) as info:
-        model.fit(x, y, validation_split=0.2)
-    check(info, "`validation_split`", "validation_split=0.2")
+        model.fit(x, y, validation_split=1.5)
+    check(info, "`validation_split` must be a float between 0 and 1", "validation_split=1.5")
     with pytest.raises(ValueError) as info:
-        model.fit(x, y, class_weight={0: 1.0})
-    check(info, "`class_weight`")
+        model.fit(data(), steps_per_epoch=2, validation_split=0.2)
+    check(info, "`validation_split` is only supported for arrays", "DatasetCreator",
+          "`validation_data`")
+    with pytest.raises(ValueError) as info:
+        model.fit(x, y, class_weight={0: 1.0}, sample_weight=np.ones(10))
+    check(info, "`class_weight` and `sample_weight` at the same time")
+    with pytest.raises(ValueError) as info:
+        model.fit(x, y, class_weight=[1.0, 2.0])
+    check(info, "`class_weight` must be a dict", "class_weight=[1.0, 2.0]")
     with pytest.raises(ValueError) as info:
         model.fit(data(), y, steps_per_epoch=2)
     check(info, "`y` must be None when `x` is a DatasetCreator")

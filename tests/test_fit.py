@@ -1,5 +1,6 @@
 """Parameter-server fit / evaluate / predict on a real 2-worker, 2-ps cluster."""
 
+import contextlib
 import math
 
 import keras
@@ -288,3 +289,49 @@ def test_a_stuck_progress_poll_does_not_hang_the_epoch_end(monkeypatch, caplog, 
     assert "did not return" in caplog.text
     release.set()
     assert "10/10" in capsys.readouterr().out
+
+
+def _classifier(learning_rate, strategy=None):
+    scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+    with scope:
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, activation="sigmoid")])
+        model.compile(keras.optimizers.SGD(learning_rate), "binary_crossentropy",
+                      metrics=["accuracy"], weighted_metrics=["accuracy"])
+    return model
+
+
+def test_class_weight_and_validation_split_as_keras_means_them(strategy):
+    """`class_weight` (Keras' per-example weights from the labels) and `validation_split`
+    (the last rows, before shuffling) give the History single-process Keras gives: the same
+    keys, and with a learning rate of 0 the same values; with training, a learning model.
+    The same weights reach a tf.data.Dataset and a DatasetCreator's dataset."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(400, 4)).astype("float32")
+    y = (x[:, :1] + 0.3 * rng.normal(size=(400, 1)) > 0.8).astype("float32")  # imbalanced
+    class_weight = {0: 0.3, 1: 2.5}
+    frozen, reference = _classifier(0.0, strategy), _classifier(0.0)
+    reference.set_weights(frozen.get_weights())
+    arguments = dict(batch_size=20, epochs=2, verbose=0, class_weight=class_weight,
+                     validation_split=0.2)
+    ours = frozen.fit(x, y, **arguments).history
+    keras_ = reference.fit(x, y, **arguments).history
+    assert {k for k in ours if not k.startswith("ledger_")} == set(keras_)  # + one-pass figures
+    for key in keras_:
+        np.testing.assert_allclose(ours[key], keras_[key], rtol=1e-5, err_msg=key)
+    assert ours["loss"][0] != pytest.approx(frozen.evaluate(x[:320], y[:320], verbose=0)[0])
+
+    def one_batch(context=None):
+        return tf.data.Dataset.from_tensor_slices((x[:40], y[:40])).batch(40)
+
+    expected = reference.evaluate(x[:40], y[:40], verbose=0, return_dict=True,
+                                  sample_weight=np.where(y[:40, 0] > 0, 2.5, 0.3))["loss"]
+    from_dataset = frozen.fit(one_batch(), class_weight=class_weight, verbose=0).history
+    from_creator = frozen.fit(kfit_ps.DatasetCreator(lambda context: one_batch().repeat()),
+                              steps_per_epoch=6, class_weight=class_weight, verbose=0).history
+    np.testing.assert_allclose([from_dataset["loss"][0], from_creator["loss"][0]],
+                               [expected, expected], rtol=1e-5)
+
+    learning = _classifier(0.5, strategy)
+    history = learning.fit(x, y, **dict(arguments, epochs=4)).history
+    assert {k for k in history if not k.startswith("ledger_")} == set(keras_)
+    assert history["val_loss"][-1] < history["val_loss"][0]

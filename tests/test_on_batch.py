@@ -57,5 +57,10 @@ def test_on_batch_methods_on_a_fresh_model_and_bad_input(strategy):
                                rtol=1e-6)
     with pytest.raises(ValueError, match="takes one batch of numpy arrays"):
         model.train_on_batch("not data")
-    with pytest.raises(ValueError, match="class_weight"):
-        model.train_on_batch(x, x[:, :1], class_weight={0: 1.0})
+    with pytest.raises(ValueError, match="`class_weight` and `sample_weight` at the same time"):
+        model.train_on_batch(x, x[:, :1], class_weight={0: 1.0}, sample_weight=np.ones(5))
+    labels = (x[:, :1] > 0).astype("float32")  # Keras' class weights: from 0/1 labels.
+    np.testing.assert_allclose(
+        model.train_on_batch(x, labels, class_weight={0: 0.5, 1: 2.0}, return_dict=True)["loss"],
+        reference.train_on_batch(x, labels, class_weight={0: 0.5, 1: 2.0},
+                                 return_dict=True)["loss"], rtol=1e-5)

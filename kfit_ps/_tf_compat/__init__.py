@@ -33,6 +33,8 @@ from kfit_ps._tf_compat.seed_generator import install_exact_seed_generator
 from kfit_ps._tf_compat.metric_scope import LocalStateScope
 from kfit_ps._tf_compat.pinned_variables import pinned_variable
 from kfit_ps._tf_compat.hash_tables import critical_section, hash_table
+from kfit_ps._tf_compat.keras_data import (class_weight_map_fn, class_weight_to_sample_weights,
+                                          train_validation_split)
 from kfit_ps._tf_compat.read_cache import CachedReadScope
 from kfit_ps._tf_compat.datasets import shard_dataset, shard_policy, shuffle_ops, with_shard_policy
 from kfit_ps._tf_compat.fused_adam import apply_adam, can_fuse as can_fuse_adam
@@ -89,6 +91,9 @@ __all__ = [
     "install_sharding_support",
     "optimizer_slots",
     "critical_section",
+    "class_weight_map_fn",
+    "class_weight_to_sample_weights",
+    "train_validation_split",
     "hash_table",
     "pinned_variable",
     "sharded_storage",

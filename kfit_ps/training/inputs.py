@@ -38,7 +38,7 @@ import numpy as np
 import tensorflow as tf
 
 import kfit_ps.ledger as ledger
-from kfit_ps import validation
+from kfit_ps import _tf_compat, validation
 from kfit_ps.training.dataset_creator import DatasetCreator
 
 SUPPORTED_INPUTS = (
@@ -282,18 +282,57 @@ def _traced_spec(creator):
 
 
 
-def check_unsupported_fit_arguments(validation_split, class_weight):
-    """`fit` arguments that parameter-server training cannot honour: an error naming each."""
-    if validation_split:
+def split_for_validation(x, y, sample_weight, validation_split, validation_data):
+    """`((x, y, sample_weight), validation_data)` after Keras' `validation_split`.
+
+    As in Keras: the last `validation_split` of the rows of arrays, taken before any
+    shuffling, become the validation data (unless `validation_data` is given, which
+    wins); other inputs are refused, since workers read them themselves.
+    """
+    if not validation_split:
+        return (x, y, sample_weight), validation_data
+    if isinstance(validation_split, bool) or not isinstance(
+            validation_split, (int, float)) or not 0 < validation_split < 1:
+        raise ValueError("`validation_split` must be a float between 0 and 1. Received: "
+                         f"validation_split={validation_split!r}.")
+    if validation_data is not None:
+        return (x, y, sample_weight), validation_data
+    leaves = [leaf for v in (x, y, sample_weight) if v is not None for leaf in tf.nest.flatten(v)]
+    if not leaves or not all(is_array_like(leaf) for leaf in leaves):
         raise ValueError(
-            "`validation_split` is not supported under parameter-server training: workers read "
-            f"their own data. Received: validation_split={validation_split!r}. Pass "
-            "`validation_data` (and `validation_steps` for a DatasetCreator) instead.")
-    if class_weight is not None:
-        raise ValueError(
-            "`class_weight` is not supported under parameter-server training. Received: "
-            f"class_weight={class_weight!r}. Add per-example weights to the dataset as "
-            "(x, y, sample_weight) instead.")
+            "`validation_split` is only supported for arrays (NumPy arrays or tensors), as in "
+            f"Keras. Received: x of type {type(x).__name__}. Pass `validation_data` instead "
+            "(and `validation_steps` for an infinite dataset).")
+    return _tf_compat.train_validation_split((x, y, sample_weight), validation_split)
+
+
+def with_class_weight(x, y, sample_weight, class_weight):
+    """`(x, sample_weight)` with Keras' `class_weight` applied, as Keras applies it.
+
+    Arrays get per-example weights from their labels (refused beside a
+    `sample_weight`, as in Keras); a `tf.data.Dataset`, and the dataset a
+    `DatasetCreator` makes on each worker, are mapped to add them.
+    """
+    if class_weight is None:
+        return x, sample_weight
+    if not isinstance(class_weight, dict) or not class_weight:
+        raise ValueError("`class_weight` must be a dict of class index -> weight, as in Keras. "
+                         f"Received: class_weight={class_weight!r}.")
+    if is_dataset_creator(x) or isinstance(x, tf.data.Dataset):
+        add_weights = _tf_compat.class_weight_map_fn(class_weight)
+        if isinstance(x, tf.data.Dataset):
+            return x.map(add_weights), sample_weight
+        creator = as_dataset_creator(x)
+        return DatasetCreator(lambda context: creator(context).map(add_weights),
+                              creator.input_options), sample_weight
+    if sample_weight is not None:
+        raise ValueError("You cannot pass `class_weight` and `sample_weight` at the same time "
+                         "(Keras refuses it too). Received both. Fold the class weights into "
+                         "`sample_weight`, or drop one of them.")
+    if y is None:
+        raise ValueError("`class_weight` weighs examples by their labels, and no `y` was given. "
+                         "Pass `y`, or per-example `sample_weight` instead.")
+    return x, _tf_compat.class_weight_to_sample_weights(y, class_weight)
 
 
 def check_steps(name, value, required_because=None):

@@ -162,7 +162,9 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
         validation_batch_size=None, validation_freq=1):
     """Parameter-server `Model.fit`; same arguments and return value as Keras'."""
     strategy = strategy_for(model)
-    inputs.check_unsupported_fit_arguments(validation_split, class_weight)
+    (x, y, sample_weight), validation_data = inputs.split_for_validation(
+        x, y, sample_weight, validation_split, validation_data)
+    x, sample_weight = inputs.with_class_weight(x, y, sample_weight, class_weight)
     epochs = validation.check_int("epochs", epochs, 0)
     initial_epoch = validation.check_int("initial_epoch", initial_epoch, 0)
     validation_freq = validation.check_int("validation_freq", validation_freq, 1)

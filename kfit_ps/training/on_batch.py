@@ -49,10 +49,7 @@ def _run_for_metrics(model, method, fn_slot, make_fn, x, y, sample_weight, retur
 
 def train_on_batch(model, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
     """Parameter-server `Model.train_on_batch`; same arguments and return value as Keras'."""
-    if class_weight is not None:
-        raise ValueError(
-            "`class_weight` is not supported under parameter-server training. Received: "
-            f"class_weight={class_weight!r}. Pass `sample_weight` instead.")
+    x, sample_weight = inputs.with_class_weight(x, y, sample_weight, class_weight)
     return _run_for_metrics(model, "train_on_batch", "train_function",
                             lambda fns: fns.train_batch(), x, y, sample_weight, return_dict)
 
