@@ -335,3 +335,29 @@ def test_class_weight_and_validation_split_as_keras_means_them(strategy):
     history = learning.fit(x, y, **dict(arguments, epochs=4)).history
     assert {k for k in history if not k.startswith("ledger_")} == set(keras_)
     assert history["val_loss"][-1] < history["val_loss"][0]
+
+
+def test_a_long_window_keeps_no_finished_functions_results(strategy, monkeypatch):
+    """2,000 steps with no synchronisation in between: the chief holds the results not yet
+    folded (at most KFIT_PS_METRIC_RESULTS_PENDING, here 64) and those of the functions in
+    flight, not of every function the window scheduled (it held all of them, ~13 KB a step
+    with an AUC metric, until the window's end)."""
+    import gc
+
+    monkeypatch.setenv("KFIT_PS_METRIC_RESULTS_PENDING", "64")
+
+    from tensorflow.python.distribute.coordinator import remote_value  # the public interface
+
+    live = []
+
+    class Count(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1500:
+                gc.collect()
+                live.append(sum(isinstance(o, remote_value.RemoteValue)
+                                for o in gc.get_objects()))
+
+    model = compiled_model(strategy)
+    model.fit(kfit_ps.DatasetCreator(helpers.regression_dataset_fn()), epochs=1,
+              steps_per_epoch=2000, verbose=0, callbacks=[Count()])
+    assert live and live[0] < 700, live
