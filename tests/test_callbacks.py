@@ -42,6 +42,68 @@ def test_early_stopping_csv_logger_and_custom_epoch_end(strategy, tmp_path):
     assert float(rows[1]["loss"]) == pytest.approx(seen[1][1]["loss"])
 
 
+def test_a_ps_restored_during_epoch_end_reruns_only_the_interrupted_callback(
+        strategy, tmp_path, monkeypatch):
+    """A ps lost and restored in place while an epoch-end callback ran (the launcher's backup
+    mid-save, say): that callback runs again, the ones before it do not (they ran every epoch
+    end twice: CSV rows 0,1,1,2, an epoch counted twice by EarlyStopping), and the backup's
+    History holds each epoch once."""
+    from kfit_ps.training import loop
+
+    class Lost(Exception):
+        pass
+
+    class RestoredInPlace:  # What `PsRecovery` does for the dispatcher, without a ps to lose.
+        restored = 0
+
+        def __init__(self, *args):
+            pass
+
+        def iterations(self):
+            return None
+
+        def lost(self, error):
+            return [0] if isinstance(error, Lost) else []
+
+        def transient(self, error):
+            return False
+
+        def recover(self, tasks, iterations):
+            RestoredInPlace.restored += 1
+
+    monkeypatch.setattr(loop, "PsRecovery", RestoredInPlace)
+    model, data = model_and_data(strategy)
+    seen, calls = [], []
+
+    class Record(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append(epoch)
+
+    class Interrupted(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            calls.append(epoch)
+            if calls == [0, 1]:  # The first try at epoch 1's end: the ps went away.
+                raise Lost()
+
+    path = tmp_path / "log.csv"
+    backup = kfit_ps.callbacks.BackupAndRestore(str(tmp_path / "backup"), delete_checkpoint=False)
+    write, tries = backup._backup, []
+
+    def backup_lost_once_at_the_last_epoch(epoch, step):
+        tries.append(epoch)
+        if tries.count(3) == 1 and epoch == 3:  # Mid-save: the ps went away.
+            raise Lost()
+        return write(epoch, step)
+
+    monkeypatch.setattr(backup, "_backup", backup_lost_once_at_the_last_epoch)
+    history = model.fit(data, epochs=3, steps_per_epoch=5, verbose=0, callbacks=[
+        Record(), keras.callbacks.CSVLogger(str(path)), Interrupted(), backup])
+    assert RestoredInPlace.restored == 2 and tries == [1, 2, 3, 3]
+    assert seen == [0, 1, 2] and calls == [0, 1, 1, 2] and history.epoch == [0, 1, 2]
+    assert [row["epoch"] for row in csv.DictReader(path.open())] == ["0", "1", "2"]
+    assert backup._history["epoch"] == [0, 1, 2]
+
+
 def test_learning_rate_callbacks_set_the_rate_on_the_ps(strategy):
     model, data = model_and_data(strategy, lr=0.1)
     model.fit(data, epochs=3, steps_per_epoch=2, verbose=0, callbacks=[

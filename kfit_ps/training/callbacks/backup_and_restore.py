@@ -201,9 +201,10 @@ class BackupAndRestore(SyncCallback):
         return (epoch + 1, 0) if step >= self.params["steps"] else (epoch, step)
 
     def on_epoch_end(self, epoch, logs=None):
-        self._history["epoch"].append(epoch)
-        for key, value in (logs or {}).items():
-            self._history["history"].setdefault(key, []).append(_jsonable(value))
+        if self._history["epoch"][-1:] != [epoch]:  # Once, also when a failed backup is retried.
+            self._history["epoch"].append(epoch)
+            for key, value in (logs or {}).items():
+                self._history["history"].setdefault(key, []).append(_jsonable(value))
         if self.sync_every is None:
             self._backup(epoch + 1, 0)
 
