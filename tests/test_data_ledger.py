@@ -233,9 +233,12 @@ def test_a_backup_resumes_only_on_the_same_data(model, tmp_path):
     checkpoint = str(tmp_path / "ckpt.weights.h5")
     fit(N, 1, checkpoint=checkpoint)  # leaves a backup at the end of epoch 1, with the counts
     saved = model.counts.numpy()
-    with open(checkpoint + ".kfit_ps.json") as f:  # the checkpoint records the data's shape
-        assert json.load(f)["ledger"] == {"kind": "arrays", "batches": 40, "examples": N,
-                                          "batch_size": BATCH}
+    with open(checkpoint + ".kfit_ps.json") as f:  # the data's shape, order and content
+        recorded = json.load(f)["ledger"]
+    fingerprint = recorded.pop("fingerprint")
+    assert len(fingerprint) == 8 and recorded.pop("seed") >= 0
+    assert recorded == {"kind": "arrays", "batches": 40, "examples": N, "batch_size": BATCH,
+                        "shuffle": True}
     logs = fit(N, 2).history  # restores them and trains epoch 2 only
     assert (model.counts.numpy() == saved + 1).all()
     assert logs["ledger_splits"] == [8.0]
@@ -247,6 +250,14 @@ def test_a_backup_resumes_only_on_the_same_data(model, tmp_path):
     with pytest.raises(ValueError) as info:
         fit(N, 3, steps_per_epoch=4)
     assert "this fit trains a stream (`steps_per_epoch` batches per epoch)" in str(info.value)
+    with pytest.raises(ValueError) as info:  # Another order: other examples after the split.
+        fit(N, 3, shuffle=False)
+    assert "shuffled with seed" in str(info.value) and "not shuffled" in str(info.value)
+    x[0, 0] += 1.0  # Same shape, other content (a sampled row: the first).
+    with pytest.raises(ValueError) as info:
+        fit(N, 3)
+    assert str(info.value).count("content fingerprint") == 2, str(info.value)
+    assert f"content fingerprint {fingerprint}" in str(info.value)
 
 
 # Shuffled arrays, stopped by SIGTERM mid-epoch (a backup at the step reached), then resumed

@@ -26,6 +26,7 @@ epoch)` runs inside the scheduled function.
 
 import zlib
 
+import numpy as np
 import tensorflow as tf
 
 from kfit_ps import _tf_compat
@@ -47,6 +48,21 @@ def _random_access(dataset):
 def _rows(structure):
     leaf = tf.nest.flatten(structure)[0]
     return int(leaf.shape[0]) if len(leaf.shape) else 1
+
+
+_SAMPLED_ROWS = 64  # rows of each array a fingerprint reads, evenly spaced, first and last
+
+
+def _fingerprint(structure, rows=None):
+    """A hex CRC32 of the dtypes, shapes and rows of every array of `structure` (all rows, or
+    the row positions `rows`): a resume on other content is told from it."""
+    crc = 0
+    for leaf in tf.nest.flatten(structure):
+        array = np.asarray(leaf)
+        part = array if rows is None or not array.ndim else array[rows]
+        crc = zlib.crc32(f"{array.dtype.str}{array.shape}".encode(), crc)
+        crc = zlib.crc32(np.ascontiguousarray(part).tobytes(), crc)
+    return f"{crc:08x}"
 
 
 class ArraySource:
@@ -92,9 +108,13 @@ class ArraySource:
                    - first * self.batch_size)
 
     def describe(self):
-        """What identifies the data: a resumed run must cut the same splits."""
+        """What identifies the data: a resumed run must cut the same splits, in the same
+        order, of the same examples (rows sampled for the content's fingerprint)."""
+        rows = np.unique(np.linspace(0, self.num_examples - 1,
+                                     min(self.num_examples, _SAMPLED_ROWS)).astype(np.int64))
         return {"kind": self.kind, "batches": self.num_batches, "examples": self.num_examples,
-                "batch_size": self.batch_size}
+                "batch_size": self.batch_size, "shuffle": self.shuffle, "seed": self.seed,
+                "fingerprint": _fingerprint(self.arrays, rows)}
 
 
 class DatasetSource:
@@ -114,6 +134,7 @@ class DatasetSource:
         self.batch_size = _rows(first)
         self._last_size = _rows(last)
         self.num_examples = self.batch_size * (self.num_batches - 1) + self._last_size
+        self._fingerprint = _fingerprint((first, last))  # The first and the last batch.
 
     def worker_data(self, coordinator):
         if self._build is None:
@@ -135,7 +156,7 @@ class DatasetSource:
 
     def describe(self):
         return {"kind": self.kind, "batches": self.num_batches, "examples": self.num_examples,
-                "batch_size": self.batch_size}
+                "batch_size": self.batch_size, "fingerprint": self._fingerprint}
 
 
 def dataset_source(dataset, arg, build=None):

@@ -147,7 +147,7 @@ class BackupAndRestore(SyncCallback):
 
     def _restore(self, path, marker):
         saved = marker.get("ledger")
-        if saved != self.ledger_state:
+        if not _same_data(saved, self.ledger_state):
             raise ValueError(
                 f"BackupAndRestore: the backup {path} was written while training on other "
                 f"data: {_data_kind(saved)}; this fit trains {_data_kind(self.ledger_state)}. "
@@ -263,11 +263,25 @@ def _check_fit_id(fit_id):
         f"digits, '-' and '_'. Received: fit_id={fit_id!r}. Example: fit_id='pretrain'.")
 
 
+def _same_data(saved, now):
+    """Whether a backup's data (`saved`, `Ledger.state()`) is this fit's: every entry the
+    backup recorded agrees (older backups recorded fewer)."""
+    if saved is None or now is None:
+        return saved == now
+    return all(now.get(key) == value for key, value in saved.items())
+
+
 def _data_kind(ledger_state):
     if ledger_state is None:
         return "a stream (`steps_per_epoch` batches per epoch)"
-    return "one-pass epochs of {batches} batches ({examples} examples of {kind}, batch size " \
-        "{batch_size})".format(**ledger_state)
+    text = "one-pass epochs of {batches} batches ({examples} examples of {kind}, batch size " \
+        "{batch_size}".format(**ledger_state)
+    if "shuffle" in ledger_state:
+        text += (f", shuffled with seed {ledger_state['seed']}" if ledger_state["shuffle"]
+                 else ", not shuffled")
+    if "fingerprint" in ledger_state:
+        text += f", content fingerprint {ledger_state['fingerprint']}"
+    return text + ")"
 
 
 def _jsonable(value):
