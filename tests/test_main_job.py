@@ -116,14 +116,22 @@ def test_readme_quick_start_has_exactly_two_commands_and_ci_runs_the_second():
     assert lines[1] in ci
 
 
-def test_help_prints_no_tensorflow_logs_and_the_switch_brings_them_back():
+def test_help_and_training_print_no_tensorflow_logs_and_the_switch_brings_them_back():
+    """`kfit-ps --help` (no TensorFlow at all) and a script's first training name (which
+    loads TensorFlow and Keras) print no TensorFlow C++ log line; KFIT_PS_TF_LOGS=1 shows
+    TensorFlow's own lines again."""
     quiet = subprocess.run([sys.executable, "-m", "kfit_ps.cli.main", "--help"], text=True,
                            capture_output=True, env=user_env(), cwd=helpers.ROOT, timeout=120)
     assert quiet.returncode == 0 and "usage: kfit-ps" in quiet.stdout
     assert foreign_lines(quiet.stdout + quiet.stderr) == [], quiet.stderr
-    loud = subprocess.run([sys.executable, "-m", "kfit_ps.cli.main", "--help"], text=True,
-                          capture_output=True, env=dict(user_env(), KFIT_PS_TF_LOGS="1"),
-                          cwd=helpers.ROOT, timeout=120)
+    training = [sys.executable, "-c", "import kfit_ps; kfit_ps.ParameterServerStrategy"]
+    quiet = subprocess.run(training, text=True, capture_output=True, env=user_env(),
+                           cwd=helpers.ROOT, timeout=120)
+    assert quiet.returncode == 0 and foreign_lines(quiet.stdout + quiet.stderr) == [], \
+        quiet.stderr
+    loud = subprocess.run(training, text=True, capture_output=True,
+                          env=dict(user_env(), KFIT_PS_TF_LOGS="1"), cwd=helpers.ROOT,
+                          timeout=120)
     assert loud.returncode == 0 and foreign_lines(loud.stderr)  # TensorFlow's own lines
 
 
