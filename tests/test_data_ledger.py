@@ -319,7 +319,7 @@ def test_the_ledger_counts_splits_never_finished_as_lost(strategy):
     ledger = kfit_ps.ledger.Ledger(source, strategy, split_size=5)  # 16 batches
     ledger.begin_epoch(0, first_batch=0)
     ledger.dispatched(0, [5, 5, 5, 1])
-    ledger.joined(cancelled=2)  # the two newest never started: batches 10..15
+    ledger.joined(dropped=[2, 3])  # the two newest never started: batches 10..15
     report = ledger.end_epoch()
     assert (report.splits, report.lost, report.reruns) == (2, 2, ())
     assert report.logs()["ledger_splits_lost"] == 2.0

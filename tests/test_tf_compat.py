@@ -459,9 +459,10 @@ def test_queued_functions_are_cancelled_and_results_are_ready_only_once_copied(s
 
     results = [coordinator.schedule(slow) for _ in range(24)]
     cancelled = _tf_compat.cancel_queued_closures(coordinator)
-    assert 0 < cancelled < 24  # the running ones (one per worker at least) were not dropped
+    assert 0 < len(cancelled) < 24  # the running ones (one per worker at least) not dropped
     coordinator.join()  # returns once the running ones finished
-    done, dropped = results[:24 - cancelled], results[24 - cancelled:]  # first in, first out
+    done, dropped = results[:24 - len(cancelled)], results[24 - len(cancelled):]
+    assert [id(v) for v in cancelled] == [id(v) for v in dropped]  # In queue order.
     for remote in done:
         assert _tf_compat.remote_value_ready(remote, 10.0)
         assert np.isfinite(remote.fetch())

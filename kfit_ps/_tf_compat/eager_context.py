@@ -136,14 +136,16 @@ def wait_for_closures(coordinator, timeout):
 
 def cancel_queued_closures(coordinator):
     """Drops the functions scheduled on `coordinator` that no worker has started; returns
-    how many, the most recently scheduled ones (TensorFlow's queue is first in, first out).
+    their results (remote values), in queue order.
 
-    Each dropped function's result becomes a `CancelledError`, as when TensorFlow
-    cancels its queue after an error; functions running on a worker finish as usual,
-    so a following `join()` waits for those only.
+    The queue is not the order of scheduling: TensorFlow puts a function back at the
+    *tail* of the queue when its worker was lost, so a dropped function can be older
+    than functions that finished. Each dropped function's result becomes a
+    `CancelledError`, as when TensorFlow cancels its queue after an error; functions
+    running on a worker finish as usual, so a following `join()` waits for those only.
     """
     closures = coordinator._cluster.closure_queue
-    cancelled = 0
+    cancelled = []
     with closures._queue_lock:
         while True:
             try:
@@ -152,7 +154,10 @@ def cancel_queued_closures(coordinator):
                 break
             closures._queue_free_slot_condition.notify()
             closure.mark_cancelled()
-            cancelled += 1
+            ref = getattr(closure, "_output_remote_value_ref", None)
+            value = ref() if ref is not None else None
+            if value is not None:
+                cancelled.append(value)
         closures._stop_waiting_condition.notify_all()
     return cancelled
 

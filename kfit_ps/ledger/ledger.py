@@ -104,10 +104,11 @@ class Ledger:
             self._pending.append((first_batch, n))
             first_batch += n
 
-    def joined(self, cancelled=0):
-        """Every pending function finished, except the `cancelled` newest (never started)."""
-        finished = self._pending[:len(self._pending) - cancelled]
-        self._done.extend(finished)
+    def joined(self, dropped=()):
+        """Every pending function finished, except those at positions `dropped` (in
+        dispatch order: they never started)."""
+        dropped = set(dropped)
+        self._done.extend(p for i, p in enumerate(self._pending) if i not in dropped)
         self._pending = []
 
     def end_epoch(self):

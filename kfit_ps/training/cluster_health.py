@@ -97,7 +97,8 @@ def join(strategy, cancel_when=None):
 
     When `cancel_when()` turns true during the wait (a stop was requested), the
     functions no worker has started yet are dropped and only the running ones are
-    waited for. Returns how many were dropped: the most recently scheduled ones.
+    waited for. Returns the results (remote values) of the dropped functions: not
+    always the newest (a lost worker's function waits at the queue's tail).
     """
     coordinator = strategy.coordinator
     watch = _WorkerWatch(strategy)
@@ -106,7 +107,7 @@ def join(strategy, cancel_when=None):
         if cancelled is None and cancel_when is not None and cancel_when():
             cancelled = _tf_compat.cancel_queued_closures(coordinator)
         if _tf_compat.wait_for_closures(coordinator, _WAIT_SLICE_SECONDS):
-            return cancelled or 0
+            return cancelled or []
         watch.check()
 
 

@@ -5,7 +5,9 @@
 window's functions, joins them, and handles what may happen in between:
 
 - a stop request (SIGTERM, `preemption`): nothing more is scheduled, queued
-  functions are dropped, the window ends early;
+  functions are dropped, the window ends early. The dropped functions are those
+  TensorFlow's queue held, which are not always the newest: a lost worker's
+  function goes back to the queue's tail, behind newer ones that may finish;
 - new workers published by the launcher (`elastic`): queued functions are
   dropped, the coordinator moves to the new workers, the dropped steps are
   scheduled again;
@@ -35,28 +37,34 @@ class _Scheduled:
     def __init__(self):
         self.sizes = []  # steps of each function, in order
         self.finished_steps = 0  # steps of the functions pruned once finished
-        self._open = []  # (remote value, steps) not seen finished yet
+        self._open = []  # (remote value, steps, position) not seen finished yet
         self._next_prune = _PRUNE_EVERY
 
     def append(self, item):
-        self.sizes.append(item[1])
-        self._open.append(item)
+        value, steps = item
+        self._open.append((value, steps, len(self.sizes)))
+        self.sizes.append(steps)
         if len(self._open) >= self._next_prune:  # Amortised: queued ones are looked at again
-            self._open = [(v, n) for v, n in self._open if not self._prune(v, n)]
+            self._open = [entry for entry in self._open if not self._prune(*entry)]
             self._next_prune = max(_PRUNE_EVERY, 2 * len(self._open))  # after they doubled.
 
-    def _prune(self, value, steps):
+    def _prune(self, value, steps, position):
         if _tf_compat.ps_restore.finished(value):
             self.finished_steps += steps
             return True
         return False
 
     def unfinished(self):
-        return [v for v, _ in self._open if not _tf_compat.ps_restore.finished(v)]
+        return [v for v, _, _ in self._open if not _tf_compat.ps_restore.finished(v)]
 
     def steps_finished(self):
         return self.finished_steps + sum(
-            n for v, n in self._open if _tf_compat.ps_restore.finished(v))
+            n for v, n, _ in self._open if _tf_compat.ps_restore.finished(v))
+
+    def positions(self, values):
+        """The positions (in scheduling order) of the functions whose results are `values`."""
+        ids = {id(v) for v in values}
+        return sorted(i for v, _, i in self._open if id(v) in ids)
 
 
 class Dispatcher:
@@ -120,11 +128,14 @@ class Dispatcher:
                 continue  # The failed functions' steps are scheduled again.
             sizes = scheduled.sizes
             hooked = max(hooked, step + sum(sizes))
-            accumulator.discard_newest(cancelled)
-            if self.ledger is not None:
+            dropped = scheduled.positions(cancelled)  # Not always the newest (module doc).
+            accumulator.discard(cancelled)
+            if self.ledger is None:  # A stream: any step reads the next batch.
+                step += sum(sizes) - sum(sizes[i] for i in dropped)
+            else:  # Splits: on from the first dropped one (later ones run again, counted).
                 self.ledger.dispatched(step, sizes)
-                self.ledger.joined(cancelled)
-            step += sum(sizes[:len(sizes) - cancelled])
+                self.ledger.joined(dropped)
+                step += sum(sizes[:dropped[0]]) if dropped else sum(sizes)
             if self.workers.pending(self.strategy) and not preemption.requested():
                 # A safe point: nothing in flight. The dropped steps run on the new workers.
                 self.workers.apply(self.strategy, self.monitor)

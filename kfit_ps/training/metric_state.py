@@ -112,14 +112,9 @@ class Accumulator:
             while len(self._pending) > self._max_pending:
                 self._fold_one(self._pending.popleft())
 
-    def discard_newest(self, count):
-        """Forgets the results of the `count` functions registered last (they were cancelled)."""
-        if self._state.variables:
-            for _ in range(count):
-                self._pending.pop()
-
     def discard(self, remote_values):
-        """Forgets the results of `remote_values` (functions that failed: run again)."""
+        """Forgets the results of `remote_values` (functions that failed or were dropped:
+        run again)."""
         dropped = {id(v) for v in remote_values}
         kept = [v for v in self._pending if id(v) not in dropped]
         self._pending.clear()
