@@ -313,6 +313,19 @@ def test_a_shuffled_epoch_stopped_by_sigterm_resumes_with_its_untrained_examples
     assert result["logs"]["ledger_splits_lost"] == [0.0]
 
 
+def test_a_fingerprint_reads_the_values_of_strings_not_their_addresses():
+    """Arrays of strings (object arrays) fingerprint by their values: the same text in another
+    process (other objects) resumes; other text does not."""
+    from kfit_ps.ledger import sources
+
+    words = np.array([f"word {i}" for i in range(100)], dtype=object)
+    again = np.array(["".join(["word ", str(i)]) for i in range(100)], dtype=object)
+    assert words[3] is not again[3]
+    assert sources._fingerprint(words) == sources._fingerprint(again)
+    again[50] = "another word"
+    assert sources._fingerprint(words) != sources._fingerprint(again)
+
+
 def test_the_ledger_counts_splits_never_finished_as_lost(strategy):
     (x, index), y = helpers.indexed_arrays(1000)
     source = kfit_ps.ledger.ArraySource(((x, index), y), 1000, 64, shuffle=False)

@@ -49,7 +49,11 @@ def _on_device_of(variable):
 
 
 def _average_into(keras_variable, statistic, momentum):
-    """`variable = variable * momentum + statistic * (1 - momentum)` as one in-place op."""
+    """`variable = variable * momentum + statistic * (1 - momentum)` as one in-place op;
+    `NotImplemented` (Keras' assign) when the batch statistics were not seen (a subclass
+    that computes them without `_moments`)."""
+    if statistic is None:
+        return NotImplemented
     inner = storage(keras_variable)
     statistic = tf.cast(statistic, inner.dtype)
     with tf.control_dependencies([statistic]), _on_device_of(inner):
@@ -71,7 +75,7 @@ def _handlers(layer):
     """{id(variable): fn(value)}: the delta update for each moving statistic of `layer`."""
 
     def moments():
-        return _captured.moments[id(layer)]
+        return _captured.moments[id(layer)] or (None, None)
 
     def mean():
         return moments()[0]
@@ -80,6 +84,8 @@ def _handlers(layer):
         return moments()[1]
 
     def stddev():
+        if variance() is None:
+            return None
         return tf.sqrt(variance() + tf.cast(layer.epsilon, variance().dtype))
 
     handlers = {id(layer.moving_mean): lambda _: _average_into(
@@ -95,7 +101,8 @@ def _handlers(layer):
             layer.renorm_mean, mean(), layer.renorm_momentum),
         id(layer.renorm_stddev): lambda _: _average_into(
             layer.renorm_stddev, stddev(), layer.renorm_momentum),
-        id(layer.moving_variance): lambda _: _derived_variance(layer),
+        id(layer.moving_variance): lambda _: (
+            NotImplemented if variance() is None else _derived_variance(layer)),
     })
     return handlers
 

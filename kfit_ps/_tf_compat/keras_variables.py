@@ -75,7 +75,8 @@ def _atomic(method_name, stock):
 
 @contextlib.contextmanager
 def redirected_assigns(handlers):
-    """Within the block, `v.assign(value)` calls `handlers[id(v)](value)` instead.
+    """Within the block, `v.assign(value)` calls `handlers[id(v)](value)` instead (Keras'
+    own assign when the handler returns `NotImplemented`).
 
     Only for marked variables whose updates write through to their storage (see
     `writes_through`); the redirection is per thread and nests.
@@ -95,7 +96,8 @@ def _redirecting_assign(stock):
         handler = handlers.get(id(self)) if handlers else None
         if handler is None or not is_kfit_variable(self) or not writes_through(self):
             return stock(self, value)
-        return handler(value)
+        result = handler(value)
+        return stock(self, value) if result is NotImplemented else result
 
     assign._kfit_ps_stock = stock
     return assign

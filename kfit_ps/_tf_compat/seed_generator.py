@@ -36,10 +36,11 @@ _installed = False
 def _section(generator, inner):
     """The generator's critical section; a new one once the state's resource is new (a ps
     recovered in place makes the variable again, and with it its ps' resources)."""
-    cached = generator.__dict__.get(_SECTION)
-    if cached is None or cached[0] is not inner.handle:
-        cached = (inner.handle, critical_section(inner.device, "seed_generator"))
-        generator.__dict__[_SECTION] = cached
+    with _install_lock:  # One per generator, whichever thread traces first.
+        cached = generator.__dict__.get(_SECTION)
+        if cached is None or cached[0] is not inner.handle:
+            cached = (inner.handle, critical_section(inner.device, "seed_generator"))
+            generator.__dict__[_SECTION] = cached
     return cached[1]
 
 

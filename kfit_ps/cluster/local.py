@@ -164,17 +164,19 @@ class LocalCluster:
             self._procs.clear()
             logs = list(self._logs.values())
             self._logs.clear()
-        if procs and self.config is not None and "tensorflow" in sys.modules:
-            # Release what this process registered on the servers while they can still answer,
-            # then stop talking to them; otherwise TensorFlow logs gRPC errors for each
-            # function released later. Waits (bounded) for a worker recovery in progress,
-            # which must not overlap (see _tf_compat.forget_servers). A process without
-            # TensorFlow (the launcher) never talked to them.
-            from kfit_ps import _tf_compat
+        try:
+            if procs and self.config is not None and "tensorflow" in sys.modules:
+                # Release what this process registered on the servers while they can still
+                # answer, then stop talking to them; otherwise TensorFlow logs gRPC errors for
+                # each function released later. Waits (bounded) for a worker recovery in
+                # progress, which must not overlap (see _tf_compat.forget_servers). A process
+                # without TensorFlow (the launcher) never talked to them.
+                from kfit_ps import _tf_compat
 
-            _tf_compat.forget_servers(
-                [self.config.address(t, i) for t, i in self.server_tasks()])
-        worker_count.terminate(procs, _STOP_GRACE_SECONDS)
+                _tf_compat.forget_servers(
+                    [self.config.address(t, i) for t, i in self.server_tasks()])
+        finally:  # Also when the disconnect is interrupted (a second Ctrl-C).
+            worker_count.terminate(procs, _STOP_GRACE_SECONDS)
         for f in logs:
             f.close()
         if self._log_dir is not None and self._kept_log_dir is None:

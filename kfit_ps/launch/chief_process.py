@@ -72,15 +72,24 @@ class ChiefProcess:
         self._pump.join(5.0)
         return status
 
+    def _signal_group(self, signum):
+        """`signum` to the chief's process group: the chief and what the script started."""
+        try:
+            os.killpg(self.process.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
     def stop(self, grace=5.0, signum=signal.SIGTERM):
-        """`signum` (SIGTERM), then SIGKILL after `grace` seconds; returns the exit status."""
+        """`signum` (SIGTERM), then SIGKILL after `grace` seconds, to the chief and its
+        process group; returns the chief's exit status."""
         if self.process.poll() is None:
-            self.process.send_signal(signum)
+            self._signal_group(signum)
             try:
                 self.process.wait(grace)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                self._signal_group(signal.SIGKILL)
                 self.process.wait()
+        self._signal_group(signal.SIGKILL)  # What the script left running in its group.
         self._pump.join(5.0)
         self._log.close()
         return self.process.returncode

@@ -61,7 +61,10 @@ def _fingerprint(structure, rows=None):
         array = np.asarray(leaf)
         part = array if rows is None or not array.ndim else array[rows]
         crc = zlib.crc32(f"{array.dtype.str}{array.shape}".encode(), crc)
-        crc = zlib.crc32(np.ascontiguousarray(part).tobytes(), crc)
+        if array.dtype.kind == "O":  # Strings: their values (the bytes would be addresses).
+            crc = zlib.crc32("\x1f".join(map(repr, part.ravel().tolist())).encode(), crc)
+        else:
+            crc = zlib.crc32(np.ascontiguousarray(part).tobytes(), crc)
     return f"{crc:08x}"
 
 
@@ -134,7 +137,11 @@ class DatasetSource:
         self.batch_size = _rows(first)
         self._last_size = _rows(last)
         self.num_examples = self.batch_size * (self.num_batches - 1) + self._last_size
-        self._fingerprint = _fingerprint((first, last))  # The first and the last batch.
+        # The first and the last batch; a pipeline that reads differently each time (an
+        # unseeded random `map`) has no content fingerprint, only its shape.
+        again = tf.data.experimental.at(self.sample, 0)
+        self._fingerprint = (_fingerprint((first, last))
+                             if _fingerprint(again) == _fingerprint(first) else None)
 
     def worker_data(self, coordinator):
         if self._build is None:
@@ -155,8 +162,11 @@ class DatasetSource:
         return full * self.batch_size + (self._last_size if stop == self.num_batches else 0)
 
     def describe(self):
-        return {"kind": self.kind, "batches": self.num_batches, "examples": self.num_examples,
-                "batch_size": self.batch_size, "fingerprint": self._fingerprint}
+        described = {"kind": self.kind, "batches": self.num_batches,
+                     "examples": self.num_examples, "batch_size": self.batch_size}
+        if self._fingerprint is not None:
+            described["fingerprint"] = self._fingerprint
+        return described
 
 
 def dataset_source(dataset, arg, build=None):

@@ -292,7 +292,7 @@ def split_for_validation(x, y, sample_weight, validation_split, validation_data)
     if not validation_split:
         return (x, y, sample_weight), validation_data
     if isinstance(validation_split, bool) or not isinstance(
-            validation_split, (int, float)) or not 0 < validation_split < 1:
+            validation_split, (int, float, np.number)) or not 0 < validation_split < 1:
         raise ValueError("`validation_split` must be a float between 0 and 1. Received: "
                          f"validation_split={validation_split!r}.")
     if validation_data is not None:

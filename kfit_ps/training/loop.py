@@ -275,7 +275,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                 logs.update(report.logs())
             monitor.epoch_end(epoch, logs)
             monitor.tables(dispatcher.guarded(table_stats, model))
-            _each_once(dispatcher, callbacks, "on_epoch_end", epoch, logs)
+            _each_once(dispatcher, callbacks, "on_epoch_end", epoch, dict(logs))
             if model.stop_training:
                 break
         if epochs > initial_epoch:  # As Keras: the moving averages become the weights.
@@ -294,7 +294,8 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
 def _each_once(dispatcher, callbacks, hook, *args):
     """Calls `hook` of each callback once. A ps restored in place while one of them ran
     (`dispatcher.guarded`) runs that one again, not the callbacks before it: their epoch-end
-    work (a CSV row, a History entry, `EarlyStopping`'s patience) would count twice."""
+    work (a CSV row, a History entry, `EarlyStopping`'s patience) would count twice. As
+    Keras' `CallbackList`, every callback gets the same copy of the logs."""
     for callback in callbacks.callbacks:
         dispatcher.guarded(getattr(callback, hook), *args)
 

@@ -15,7 +15,9 @@ it took from `kfit_ps` installed `install()`'s handler (`kfit_ps._setup`):
 - outside `fit` (building the model, exporting, between `fit`s), the signal
   ends the process at once, as it would without kfit_ps: the backups of the
   `fit`s already completed hold everything a rerun needs.
-- a second SIGTERM ends the process at once.
+- a second SIGTERM ends the process at once; one within 2 s of the first is the
+  same stop delivered twice (Slurm signals every process of a step, and the
+  launcher forwards its copy) and is ignored.
 
 This is TensorFlow's `PreemptionCheckpointHandler` idea (save within the
 grace period, exit with a status the orchestrator retries) for `model.fit`.
@@ -26,8 +28,14 @@ import os
 import signal
 import sys
 import threading
+import time
 
-_state = {"requested": False, "fits": 0}
+from kfit_ps import constants
+
+_state = {"requested": False, "fits": 0, "at": 0.0}
+# A SIGTERM this soon after the first is the same stop delivered twice (Slurm signals every
+# process of a job step, and the launcher forwards its own copy): it is not a second one.
+_SAME_STOP_SECONDS = 2.0
 # Re-entrant: the handler runs in the main thread, which may hold the lock when it arrives.
 _lock = threading.RLock()
 
@@ -44,10 +52,13 @@ def _die_by_signal(signum):
 
 def _on_sigterm(signum, frame):
     with _lock:
+        now = time.monotonic()
+        if _state["requested"] and now - _state["at"] < _SAME_STOP_SECONDS:
+            return
         if _state["fits"] == 0 or _state["requested"]:
             _die_by_signal(signum)
             return
-        _state["requested"] = True
+        _state["requested"], _state["at"] = True, now
     print("kfit_ps: SIGTERM received: finishing the steps in flight, then saving and stopping",
           file=sys.stderr, flush=True)
 
@@ -64,6 +75,8 @@ def stops_at_a_safe_point(fit):
 
     @functools.wraps(fit)
     def wrapped(*args, **kwargs):
+        if constants.launched():  # Idempotent; the first training name may have been asked
+            install()             # for on another thread, where no handler can be set.
         with _lock:
             _state["fits"] += 1
         completed = False
