@@ -174,3 +174,63 @@ def test_restoring_only_a_restarted_ps_writes_its_part_and_nothing_else(tmp_path
     assert "task:1" in result["shard1_device"]
     assert result["shard1_restored"] and result["shard0_kept"]
     assert result["iterations"] == 15
+
+
+# A model that reads a variable made under the scope but held by no layer (as a custom train
+# step's or a frozen model's): the backup has no value for it. At step 150 (after the backup of
+# step 100) a callback SIGKILLs the ps that holds it, once.
+UNSAVED = textwrap.dedent("""
+    import json, os, signal, sys
+    import keras, kfit_ps
+    import tensorflow as tf
+    from tests import helpers as h
+
+    strategy = kfit_ps.ParameterServerStrategy()
+    with strategy.scope():
+        scale = tf.Variable(2.0, name="unsaved_scale")
+
+        class Scaled(keras.layers.Layer):  # Reads `scale`, which it does not own.
+            def call(self, x):
+                return x * tf.convert_to_tensor(scale)
+
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), Scaled(),
+                                  keras.layers.Dense(1)])
+        model.compile("sgd", "mse", metrics=[h.counting_metric()])
+    holder = tf.DeviceSpec.from_string(scale.device).task
+
+    class KillTheHolder(kfit_ps.callbacks.SyncCallback):
+        sync_every = 50
+        def on_train_sync(self, epoch, step, logs):
+            if epoch * 100 + step != 150 or os.path.exists(sys.argv[1]):
+                return
+            open(sys.argv[1], "w").close()
+            with open(os.path.join(os.environ["KFIT_PS_RUN_DIR"], "tasks.json")) as f:
+                os.kill(json.load(f)["tasks"][f"ps:{holder}"], signal.SIGKILL)
+
+    history = model.fit(kfit_ps.DatasetCreator(h.regression_dataset_fn()), epochs=3,
+                        steps_per_epoch=100, verbose=0, callbacks=[KillTheHolder()])
+    print("RESULT " + json.dumps({"iterations": int(model.optimizer.iterations.numpy()),
+                                  "batches": history.history["batches"][-1]}), flush=True)
+""")
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+def test_a_ps_holding_a_variable_the_backup_lacks_restarts_the_job_instead(tmp_path):
+    """In place, the lost ps's variables are made again and loaded from the backup; one the
+    backup has no value for would be read empty by the next step (the chief exited 1: a
+    program error, never retried). The chief says which, before any step runs on it, and the
+    job restarts from the backup and finishes."""
+    job = Job(tmp_path, "--workers", "1", "--ps", "2", "--backup-dir", str(tmp_path / "backup"),
+              "--save-freq", "100", script=UNSAVED, script_args=(tmp_path / "killed",))
+    with job.running():
+        status = job.finish(timeout=400)
+    output = "\n".join(job.lines)
+    assert status == 0, "\n".join(job.lines[-60:])
+    assert "cannot be restored in place: the backup holds no value for 1 variable(s) it held " \
+           "(unsaved_scale" in output, output[-4000:]
+    assert "InvalidArgumentError" not in output
+    events = [e["event"] for e in read_events(job)]
+    assert "ps_lost" in events and "job_restart" in events and "ps_restored" not in events
+    assert job.result()["iterations"] == 300
+    assert job.left_running() == []

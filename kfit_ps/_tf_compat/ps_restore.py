@@ -120,6 +120,19 @@ def reconnect(coordinator, deadline):
             time.sleep(0.5)
 
 
+def holds_value(variable):
+    """Whether `variable`'s resource holds a value (one that `recreate` made holds none until
+    something writes it)."""
+    with tf.device(variable.device):
+        return bool(resource_variable_ops.var_is_initialized_op(variable.handle))
+
+
+def resources_of(keras_variables):
+    """The ids of the resource variables (shards included) behind `keras_variables`, as
+    `variables_on` lists them."""
+    return {id(_resource(part)) for v in keras_variables for part in shards(v)}
+
+
 def recreate(variable):
     """Gives `variable` a new, uninitialized resource on its device (same shape, dtype)."""
     inner = _resource(variable)

@@ -107,12 +107,25 @@ class PsRecovery:
                                       f"{constants.startup_timeout():g} s")
                 time.sleep(0.2)
         _tf_compat.ps_restore.reconnect(self.strategy.coordinator, deadline)
-        for task in tasks:
-            for variable in _tf_compat.ps_restore.variables_on(task):
-                _tf_compat.ps_restore.recreate(variable)
+        recreated = [v for task in tasks for v in _tf_compat.ps_restore.variables_on(task)]
+        for variable in recreated:
+            _tf_compat.ps_restore.recreate(variable)
         with _tf_compat.ps_restore.restoring_only(tasks) as restored:
             self.model.load_weights(path)
         written = restored["bytes"]
+        # Metrics are written whole when results are folded; anything else the backup did not
+        # write would be read empty by the next step: the job restarts instead.
+        metrics = _tf_compat.ps_restore.resources_of(
+            [v for metric in self.model.metrics for v in metric.variables])
+        empty = [v for v in recreated
+                 if id(v) not in metrics and not _tf_compat.ps_restore.holds_value(v)]
+        if empty:
+            names = ", ".join(sorted({v.name for v in empty})[:5])
+            raise _impossible(tasks, (
+                f"the backup holds no value for {len(empty)} variable(s) it held ({names}): "
+                "variables made under the strategy's scope that are neither the model's "
+                "weights nor its optimizer's (a custom train step's, a captured one's); no "
+                "step ran on them"))
         if iterations is not None:
             self._iterations.assign(iterations)  # Exact, wherever it lives.
         for slot in ("train_function", "test_function", "predict_function"):
