@@ -161,46 +161,42 @@ def test_worker_lost_for_good_the_others_finish():
 def test_a_worker_lost_then_a_sigterm_stops_at_an_exact_step_with_a_backup(tmp_path):
     """A worker is lost while functions are queued (its function goes back to the queue's
     *tail*, behind newer ones), and a SIGTERM follows 2 s later: the functions dropped are
-    those really not started, so the stop is a preemption at an exact step with a backup at
-    it (the newest results were dropped instead: `WorkerResultLostError`, no backup)."""
+    those really not started, so the stop is a preemption with a backup of the state it
+    stopped at (the newest results were dropped instead: `WorkerResultLostError`, no
+    backup)."""
     backup = str(tmp_path / "backup")
-    result = helpers.run_chief(f"""
-        import signal, threading
-        from kfit_ps.training import preemption
-        from tests import helpers as h
-        os.environ["KFIT_PS_METRIC_RESULTS_PENDING"] = "100000"  # every result until the stop
-        preemption.install()
-        with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
-            strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
-            with strategy.scope():
-                model = keras.Sequential([keras.Input((32,)),
-                                          keras.layers.Dense(64, activation="relu"),
-                                          keras.layers.Dense(1)])
-                model.compile(optimizer="adam", loss="mse", metrics=[h.counting_metric()])
+    result = helpers.run_chief("""
+import os, signal
+from kfit_ps.training import preemption
+os.environ["KFIT_PS_METRIC_RESULTS_PENDING"] = "100000"  # every result until the stop
+preemption.install()
+""" + CLUSTER_AND_MODEL + f"""
+    class Faults(keras.callbacks.Callback):  # Scheduling runs ahead of the workers.
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 3000:
+                cluster.kill("worker", 0)
+                threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
 
-            class Faults(keras.callbacks.Callback):  # Scheduling runs ahead of the workers.
-                def on_train_batch_begin(self, batch, logs=None):
-                    if batch == 3000:
-                        cluster.kill("worker", 0)
-                        threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
-
-            saving = kfit_ps.callbacks.BackupAndRestore({backup!r}, delete_checkpoint=False)
-            try:
-                model.fit(kfit_ps.DatasetCreator(h.regression_dataset_fn(features=32)), epochs=1,
-                          steps_per_epoch=60000, verbose=0, callbacks=[saving, Faults()])
-                error = None
-            except BaseException as e:  # Preempted is a SystemExit
-                error = f"{{type(e).__name__}}: {{e}}"
-            marker = saving.newest_backup()[1]
-            report(error=error, iterations=int(model.optimizer.iterations.numpy()),
-                   backup_step=marker and marker["step"])
-        os._exit(0)
+    saving = kfit_ps.callbacks.BackupAndRestore({backup!r}, delete_checkpoint=False)
+    try:
+        model.fit(kfit_ps.DatasetCreator(h.regression_dataset_fn(features=32)), epochs=1,
+                  steps_per_epoch=60000, verbose=0, callbacks=[saving, Faults()])
+        error = None
+    except BaseException as e:  # Preempted is a SystemExit
+        error = f"{{type(e).__name__}}: {{e}}"
+    marker = saving.newest_backup()[1]
+    report(error=error, iterations=int(model.optimizer.iterations.numpy()),
+           backup_step=marker and marker["step"])
+os._exit(0)
     """, timeout=300)
     error = result["error"] or ""
     assert error.startswith("Preempted: fit stopped on SIGTERM after step "), error
     step = int(error.split("after step ", 1)[1].split()[0])
     assert 0 < step < 60000 and "a backup of them was written" in error
-    assert result["iterations"] == step == result["backup_step"]
+    # The lost worker's function may have applied its update before it died: at-least-once,
+    # one function (steps_per_execution 1). The backup holds the state it saved.
+    assert step <= result["iterations"] <= step + 1 and result["backup_step"] == \
+        result["iterations"], result
 
 
 RESTART_THEN_LEAVE = CLUSTER_AND_MODEL + """    iterations = model.optimizer.iterations
