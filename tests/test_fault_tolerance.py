@@ -1,6 +1,7 @@
 """A worker killed mid-fit and restarted: fit completes, with no hang."""
 
 import concurrent.futures
+import re
 
 import psutil
 import pytest
@@ -70,11 +71,27 @@ def test_worker_killed_and_restarted_mid_fit():
 
 FIT_FOREVER = """
 import json, sys
-import kfit_ps, keras
+import kfit_ps, keras, numpy as np, tensorflow as tf
 from tests import helpers as h
 with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
     print(json.dumps(cluster.pids()), flush=True)
     strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+
+    class NonNegative(keras.layers.Layer):
+        def call(self, x):
+            tf.debugging.assert_non_negative(x, message="negative input")  # CHECK LINE
+            return x
+
+    with strategy.scope():
+        failing = keras.Sequential([keras.Input((4,)), NonNegative(), keras.layers.Dense(1)])
+        failing.compile(optimizer="sgd", loss="mse")
+    try:
+        failing.fit(-np.ones((64, 4), "float32"), np.ones((64, 1), "float32"), batch_size=8,
+                    verbose=0)
+    except tf.errors.InvalidArgumentError as e:
+        print(json.dumps(dict(message=str(e), full=str(getattr(e, "tf_error", "")))),
+              flush=True)
+
     with strategy.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         model.compile(optimizer="sgd", loss="mse")
@@ -91,7 +108,12 @@ with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
 
 @pytest.mark.chaos
 @pytest.mark.slow
-def test_ctrl_c_during_fit_exits_promptly_and_stops_servers():
+def test_a_failing_step_and_ctrl_c_each_print_one_error_and_no_tensorflow_chatter():
+    """A step that fails on a worker raises one error of TensorFlow's class naming the task,
+    TensorFlow's first line and the user's line (the whole chain kept as `tf_error`); Ctrl-C
+    during `fit` prints one line, ends the process as Ctrl-C does (SIGINT: 130 in a shell)
+    and stops the servers. No TensorFlow C++ or gRPC line is printed, for a user who set
+    nothing (no TF_CPP_MIN_LOG_LEVEL). (Was test_ctrl_c_during_fit_exits_promptly_and_stops_servers.)"""
     import json
     import os
     import signal
@@ -99,23 +121,40 @@ def test_ctrl_c_during_fit_exits_promptly_and_stops_servers():
     import sys
     import time
 
+    from tests.test_main_job import foreign_lines, user_env
+
     proc = helpers.popen([sys.executable, "-c", FIT_FOREVER], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=helpers.chief_env(),
-                            cwd=helpers.ROOT, start_new_session=True)
+                         stderr=subprocess.PIPE, text=True, env=user_env(),
+                         cwd=helpers.ROOT, start_new_session=True)
     try:
         pids = json.loads(proc.stdout.readline())
         assert len(pids) == 3
+        failed = json.loads(proc.stdout.readline())
         while "TRAINING" not in proc.stdout.readline():
             assert proc.poll() is None, proc.stderr.read()[-3000:]
         time.sleep(0.5)
         interrupted = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-        _, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert time.monotonic() - interrupted < 30
-    assert "KeyboardInterrupt" in err
+    message = failed["message"]
+    assert message.startswith("A step failed on worker:"), message
+    assert "assertion failed: [negative input" in message
+    assert "at node " in message and "assert_non_negative" in message
+    assert re.search(r"defined at <string>:\d+ \(call\)", message), message
+    assert "GRPC" not in message and "Detected at node" not in message
+    assert len(message.splitlines()) == 3
+    assert "Additional GRPC error information" in failed["full"]  # kept for those who want it
+    assert proc.returncode == -signal.SIGINT  # as Python ends on Ctrl-C: 130 in a shell
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    [stopped] = [line for line in lines if "interrupted by Ctrl-C" in line]
+    assert stopped.startswith("kfit_ps: fit interrupted by Ctrl-C;") and "no backup" in stopped
+    assert [line for line in lines if line != stopped and not line.startswith("kfit_ps:")] == []
+    assert foreign_lines(out + err) == [], err
     assert helpers.wait_for_no_servers(pids, timeout=10) == []
 
 

@@ -1,7 +1,7 @@
 """The training layer: parameter-server `fit` / `evaluate` / `predict` for Keras 3."""
 
 from kfit_ps import _tf_compat
-from kfit_ps.training import cluster_health, loop, on_batch
+from kfit_ps.training import cluster_health, loop, on_batch, user_errors
 from kfit_ps.training.dataset_creator import DatasetCreator
 from kfit_ps.training.export import export_saved_model
 from kfit_ps.training.inputs import shardable
@@ -36,8 +36,10 @@ def install():
                     train_on_batch=on_batch.train_on_batch, test_on_batch=on_batch.test_on_batch,
                     predict_on_batch=on_batch.predict_on_batch)
     _tf_compat.install_dispatch("kfit_ps", _handles, **{
-        name: cluster_health.translating_cluster_errors(handler)
+        name: user_errors.clean(cluster_health.translating_cluster_errors(handler), name,
+                                loop.strategy_for)
         for name, handler in handlers.items()})
+    user_errors.install_excepthook()
     _tf_compat.install_load_weights_hook("kfit_ps", _handles, _build_optimizer_before_load)
 
 
