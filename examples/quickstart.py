@@ -2,6 +2,10 @@
 
 Run: python examples/quickstart.py
 Or, supervised (restarts lost tasks): kfit-ps run --workers 2 --ps 2 -- python examples/quickstart.py
+
+Against single-process Keras, two lines differ: the strategy line, and `with strategy.scope():`
+around the model. The LocalCluster's servers run until the script ends; under `kfit-ps run` it
+is the launcher's cluster (its --workers / --ps) and starts no servers.
 """
 
 import keras
@@ -31,19 +35,11 @@ def build_model():
     return keras.Model({"user": user, "item": item}, keras.layers.Dense(1, "sigmoid")(x))
 
 
-def train(cluster_resolver):
-    strategy = kfit_ps.ParameterServerStrategy(cluster_resolver)
+if __name__ == "__main__":
+    strategy = kfit_ps.ParameterServerStrategy(kfit_ps.LocalCluster(num_workers=2, num_ps=2))
     with strategy.scope():  # Variables, optimizer and metrics live on the ps tasks.
         model = build_model()
         model.compile(keras.optimizers.Adam(0.01), "binary_crossentropy",
-                      metrics=[keras.metrics.AUC(name="auc")],
-                      steps_per_execution=5)
+                      metrics=[keras.metrics.AUC(name="auc")], steps_per_execution=5)
     history = model.fit(kfit_ps.DatasetCreator(dataset_fn), epochs=3, steps_per_epoch=100)
-    return history.history
-
-
-if __name__ == "__main__":
-    # Under `kfit-ps run`, the launcher's servers; otherwise a LocalCluster for this block.
-    with kfit_ps.job_cluster(num_workers=2, num_ps=2) as resolver:
-        history = train(resolver)
-    print(f"final training AUC: {history['auc'][-1]:.3f}")
+    print(f"final training AUC: {history.history['auc'][-1]:.3f}")

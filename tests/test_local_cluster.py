@@ -81,6 +81,29 @@ def test_unstarted_cluster_errors():
         cluster.kill("worker", 0)
 
 
+def test_under_the_launcher_a_local_cluster_is_the_launchers_and_starts_nothing(monkeypatch):
+    """In a chief that `kfit-ps run` started, `LocalCluster(...)` is the cluster of TF_CONFIG:
+    no server starts, the launcher's --workers / --ps decide, and the servers are the
+    launcher's to kill, restart and resize."""
+    import json
+
+    cluster = {"chief": ["localhost:1"], "worker": ["localhost:2", "localhost:3", "localhost:4"],
+               "ps": ["localhost:5"]}
+    monkeypatch.setenv(constants.LAUNCHED_ENV, "1")
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster,
+                                                "task": {"type": "chief", "index": 0}}))
+    before = set(helpers.server_pids())
+    local = LocalCluster(num_workers=2, num_ps=2).start()
+    assert local.adopted and (local.num_workers, local.num_ps) == (3, 1)
+    assert local.cluster_resolver.cluster_spec().as_dict() == cluster
+    assert local.pids() == [] and set(helpers.server_pids()) == before
+    for call in (lambda: local.kill("worker", 0), lambda: local.restart("worker", 0),
+                 lambda: local.resize_workers(4)):
+        with pytest.raises(RuntimeError, match="the servers are the launcher's.*kfit-ps scale"):
+            call()
+    local.stop()
+
+
 def test_worker_threads_never_deadlock_small_machines(monkeypatch):
     monkeypatch.delenv(constants.WORKER_THREADS_ENV, raising=False)
     for workers in (1, 2, 8, 32):

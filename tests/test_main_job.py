@@ -31,7 +31,8 @@ def foreign_lines(out):
 
 
 def run_and_watch(args, timeout=300, env=None):
-    """Runs a command, recording every kfit_ps server it starts; returns (proc, out, pids)."""
+    """Runs a command, recording every kfit_ps server it or its children start; returns
+    (proc, out, pids)."""
     proc = helpers.popen(args, env=env or helpers.chief_env(), cwd=helpers.ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     pids = set()
@@ -41,7 +42,8 @@ def run_and_watch(args, timeout=300, env=None):
             proc.kill()
             pytest.fail(f"{args} did not finish within {timeout} s")
         try:
-            pids.update(c.pid for c in psutil.Process(proc.pid).children() if helpers.is_server(c))
+            pids.update(c.pid for c in psutil.Process(proc.pid).children(recursive=True)
+                        if helpers.is_server(c))
         except psutil.NoSuchProcess:
             pass
         try:
@@ -77,7 +79,10 @@ def test_quickstart_main_job_learns_and_leaves_nothing(tmp_path):
 
 
 @pytest.mark.slow
-def test_examples_quickstart_learns():
+def test_examples_quickstart_learns_alone_and_on_the_launchers_servers(tmp_path):
+    """The example's two changed lines (the strategy from a LocalCluster, the scope): alone,
+    its servers run until the script ends; under `kfit-ps run` the same LocalCluster is the
+    launcher's cluster and starts no server of its own."""
     proc, out, pids = run_and_watch([sys.executable, "examples/quickstart.py"])
     assert proc.returncode == 0, out[-3000:]
     match = re.search(r"final training AUC: ([0-9.]+)", out)
@@ -86,6 +91,15 @@ def test_examples_quickstart_learns():
     assert match and float(match.group(1)) > 0.6, out[-3000:]
     assert len(pids) == 4
     assert "Failed to remove function" not in out
+    assert helpers.wait_for_no_servers(pids, timeout=10) == []
+
+    proc, out, pids = run_and_watch(
+        [sys.executable, "-m", "kfit_ps.cli.main", "run", "--workers", "1", "--ps", "1",
+         "--run-dir", str(tmp_path / "run"), "--", sys.executable, "examples/quickstart.py"])
+    assert proc.returncode == 0, out[-3000:]
+    assert "[chief] final training AUC: " in out
+    assert "LocalCluster under kfit-ps run trains on the launcher's 1 worker(s) and 1 ps" in out
+    assert len(pids) == 2  # the launcher's worker and ps: the script started none
     assert helpers.wait_for_no_servers(pids, timeout=10) == []
 
 

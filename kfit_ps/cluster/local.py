@@ -72,6 +72,12 @@ class LocalCluster:
         env: extra environment variables for the server processes.
         log_dir: directory for the servers' logs (`<type>-<index>.log`), kept
             after `stop()`. Defaults to None: a temporary directory, removed.
+
+    In a chief started by `kfit-ps run` the servers already run: `start()`
+    starts none and the cluster is the launcher's (`TF_CONFIG`; its
+    `--workers` / `--ps` decide, and the chief says so once). Its servers
+    are the launcher's to stop, restart and scale, so `kill`, `restart` and
+    `resize_workers` refuse.
     """
 
     def __init__(self, num_workers=2, num_ps=1, *, host="localhost", worker_threads=None,
@@ -92,6 +98,7 @@ class LocalCluster:
         self._log_dir = None
         self._kept_log_dir = None if log_dir is None else validation.path(log_dir)
         self._given = None  # (ClusterConfig, tasks) for `for_tasks`
+        self.adopted = False  # The launcher's servers (see the class doc).
         self._lock = threading.Lock()  # Guards _procs, _logs and _stopped.
         self._stopped = False
         self.config = None
@@ -123,6 +130,8 @@ class LocalCluster:
         """Starts every server and returns once each has announced it is serving."""
         if self.config is not None:
             raise RuntimeError("LocalCluster.start() was already called; create a new cluster.")
+        if constants.launched() and not self._given:
+            return self._adopt_the_launchers_servers()
         attempts = 1 if self._given else _START_ATTEMPTS  # Fixed addresses: no new ports.
         for attempt in range(1, attempts + 1):
             self.config = self._given[0] if self._given else ClusterConfig(
@@ -149,6 +158,18 @@ class LocalCluster:
                 raise
         log.info("LocalCluster started: %r (logs in %s)", self.config, self._log_dir)
         _warn_once_about_interfaces()
+        return self
+
+    def _adopt_the_launchers_servers(self):
+        self.config = ClusterConfig.from_tf_config()
+        self.adopted = True
+        workers, ps = self.config.num_tasks(constants.WORKER), self.config.num_tasks(constants.PS)
+        self.num_workers, self.num_ps = workers, ps
+        if not _told_adopted:
+            _told_adopted.append(True)
+            log.warning("kfit_ps: LocalCluster under kfit-ps run trains on the launcher's %d "
+                        "worker(s) and %d ps (its --workers / --ps); it starts no servers.",
+                        workers, ps)
         return self
 
     def stop(self):
@@ -235,6 +256,7 @@ class LocalCluster:
         """Starts or stops workers so that the cluster has `num_workers`; returns once each new
         one serves. Removing stops the highest-numbered ones: tell the chief first
         (`ParameterServerStrategy.resize_workers`; `kfit-ps scale` does)."""
+        self._refuse_if_adopted("resize_workers")
         worker_count.resize(self, num_workers, _free_port, _STOP_GRACE_SECONDS)
 
     def exited(self):
@@ -271,7 +293,7 @@ class LocalCluster:
     @property
     def resizable(self):
         """Whether `resize_workers` can change this cluster (it picked its own addresses)."""
-        return self.config is not None and not self._given
+        return self.config is not None and not self._given and not self.adopted
 
     def address(self, task_type, index):
         self._require_started("address")
@@ -307,6 +329,7 @@ class LocalCluster:
 
     def _proc(self, task_type, index):
         self._require_started("kill/restart")
+        self._refuse_if_adopted("kill/restart")
         key = (task_type, index)
         with self._lock:
             self._check_not_stopped()
@@ -316,6 +339,12 @@ class LocalCluster:
                     f"{', '.join(f'{t}:{i}' for t, i in self.server_tasks())}."
                 )
             return self._procs[key]
+
+    def _refuse_if_adopted(self, what):
+        if self.adopted:
+            raise RuntimeError(
+                f"LocalCluster.{what}: under kfit-ps run the servers are the launcher's; this "
+                "cluster did not start them. Use `kfit-ps scale` to change the workers.")
 
     def _check_not_stopped(self):
         if self._stopped:
@@ -386,6 +415,7 @@ class LocalCluster:
 
 
 _warned = []
+_told_adopted = []
 
 
 def _warn_once_about_interfaces():

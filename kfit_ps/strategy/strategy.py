@@ -34,6 +34,13 @@ def _resolver_from_tf_config():
                                source=constants.TF_CONFIG)
 
 
+def _is_local_cluster(value):
+    """A `kfit_ps.LocalCluster` (known by its interface: the strategy layer does not import
+    the cluster layer above it)."""
+    return all(hasattr(type(value), name) for name in ("start", "stop", "cluster_resolver",
+                                                       "server_tasks", "kill"))
+
+
 def _validated_resolver(cluster_resolver, source="ParameterServerStrategy cluster_resolver"):
     """The resolver (without an evaluator), once its cluster obeys every rule.
 
@@ -45,7 +52,7 @@ def _validated_resolver(cluster_resolver, source="ParameterServerStrategy cluste
             "ParameterServerStrategy: `cluster_resolver` must be a "
             "tf.distribute.cluster_resolver.ClusterResolver. Received: "
             f"cluster_resolver={cluster_resolver!r} of type {type(cluster_resolver).__name__}. "
-            "Use `LocalCluster(...).cluster_resolver`, "
+            "Pass a `kfit_ps.LocalCluster(...)` or its `.cluster_resolver`, "
             "`ClusterConfig.from_tf_config().cluster_resolver()` or "
             "`tf.distribute.cluster_resolver.TFConfigClusterResolver()`."
         )
@@ -84,22 +91,24 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     """Asynchronous parameter-server training for Keras 3 models.
 
     Build and compile the model under `strategy.scope()`, then call the
-    ordinary `model.fit` with a `kfit_ps.DatasetCreator` and `steps_per_epoch`.
+    ordinary `model.fit`, as in one process:
 
     ```python
-    with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
-        strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
-        with strategy.scope():
-            model = keras.Sequential([keras.layers.Dense(1)])
-            model.compile("sgd", "mse")
-        model.fit(kfit_ps.DatasetCreator(dataset_fn), epochs=2, steps_per_epoch=100)
+    strategy = kfit_ps.ParameterServerStrategy(kfit_ps.LocalCluster(num_workers=2, num_ps=1))
+    with strategy.scope():
+        model = keras.Sequential([keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    model.fit(kfit_ps.DatasetCreator(dataset_fn), epochs=2, steps_per_epoch=100)
     ```
 
     Args:
         cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`
             whose spec has at least one `worker` and one `ps` (and optionally a
-            `chief`); this process is the chief. Defaults to None: the cluster
-            and this task from `TF_CONFIG` (what `kfit-ps run` sets).
+            `chief`); this process is the chief. Or a `kfit_ps.LocalCluster`:
+            started here if it was not, its servers then run until the process
+            ends (or `strategy.cluster.stop()`); under `kfit-ps run` it is the
+            launcher's cluster. Defaults to None: the cluster and this task
+            from `TF_CONFIG` (what `kfit-ps run` sets).
         variable_partitioner: a `tf.distribute.experimental.partitioners`
             partitioner to shard variables along axis 0 across ps tasks.
             Defaults to None (no sharding: variables go round-robin to the ps
@@ -121,6 +130,12 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
             raise ValueError(
                 "ParameterServerStrategy: `worker_timeout` must be a positive number of seconds "
                 f"or None. Received: worker_timeout={worker_timeout!r}.")
+        self.cluster = None  # The LocalCluster given instead of a resolver, if one was.
+        if _is_local_cluster(cluster_resolver):
+            self.cluster = cluster_resolver
+            if self.cluster.config is None:
+                self.cluster.start()  # Stopped at exit (LocalCluster's atexit hook).
+            cluster_resolver = self.cluster.cluster_resolver
         _tf_compat.install_atomic_updates()
         _tf_compat.install_exact_batch_norm()
         _tf_compat.install_exact_seed_generator()
