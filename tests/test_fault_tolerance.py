@@ -446,3 +446,68 @@ def test_a_wedged_worker_is_named_within_the_timeout():
     assert result["tasks"] == ["worker:0"]
     assert "accepts connections but has not answered for 4 s" in result["message"]
     assert 4 <= result["seconds"] < 4 + 30, result
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+def test_a_sigterm_during_validation_stops_it_and_the_resume_validates_that_epoch_once(tmp_path):
+    """SIGTERM in epoch 0's validation (shipped batches): the validation stops within a few
+    of its batches, not at its end; the backup holds the trained epoch and its training logs,
+    the stop says so (exit 143 under the launcher), and a rerun validates epoch 0 and runs
+    its epoch-end callbacks once, then trains epoch 1: History, CSV rows and the backup's
+    History each hold epochs 0 and 1 once, and no step is trained twice."""
+    backup, csv = str(tmp_path / "backup"), str(tmp_path / "epochs.csv")
+    result = helpers.run_chief("""
+import os, signal
+from kfit_ps.training import preemption
+preemption.install()
+""" + CLUSTER_AND_MODEL + f"""
+    vx, vy = h.regression_arrays(rows=4000, features=32)
+    begun = []
+
+    class TermInValidation(keras.callbacks.Callback):
+        def on_test_batch_begin(self, batch, logs=None):
+            begun.append(batch)
+            if batch == 20 and len(begun) == 21:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def fit(callbacks):
+        saving = kfit_ps.callbacks.BackupAndRestore({backup!r}, delete_checkpoint=False)
+        history = model.fit(kfit_ps.DatasetCreator(h.regression_dataset_fn(features=32)),
+                            epochs=2, steps_per_epoch=40, validation_data=(vx, vy),
+                            validation_batch_size=4, verbose=0,
+                            callbacks=[saving, keras.callbacks.CSVLogger({csv!r}, append=True)]
+                            + callbacks)
+        return saving, history
+
+    try:
+        fit([TermInValidation()])
+        error = None
+    except BaseException as e:  # Preempted is a SystemExit
+        error = f"{{type(e).__name__}}: {{e}}"
+    stopped_at = int(model.optimizer.iterations.numpy())
+    saving = kfit_ps.callbacks.BackupAndRestore({backup!r}, delete_checkpoint=False)
+    marker = saving.newest_backup()[1]
+    preemption.reset()
+    saving, history = fit([])
+    rows = open({csv!r}).read().splitlines()
+    report(error=error, begun=len(begun), stopped_at=stopped_at, marker=marker,
+           epochs=history.epoch, val_loss=history.history["val_loss"],
+           csv=[row.split(",")[0] for row in rows[1:]],
+           iterations=int(model.optimizer.iterations.numpy()),
+           saved_history=saving.newest_backup()[1]["history"]["epoch"])
+os._exit(0)
+    """, timeout=300)
+    error = result["error"] or ""
+    assert error.startswith("Preempted: fit stopped on SIGTERM after step 40 of epoch 1 "
+                            "(of 40 steps) during its validation"), error
+    assert "a backup of them was written" in error
+    assert result["begun"] < 100  # of 1,000 validation batches: it stopped, not finished
+    marker = result["marker"]
+    assert (marker["epoch"], marker["batch"], marker["step"]) == (0, 40, 40), marker
+    assert result["stopped_at"] == 40 and "loss" in marker["epoch_logs"]
+    assert marker["history"]["epoch"] == []  # epoch 0's end had not run
+    assert result["epochs"] == [0, 1] and len(result["val_loss"]) == 2
+    assert result["csv"] == ["0", "1"]
+    assert result["saved_history"] == [0, 1]
+    assert result["iterations"] == 80  # 40 + 40: the resume trained no step twice

@@ -15,6 +15,11 @@ input (`inputs.adapt`) and `steps`:
   exactly once, with no batch travelling through the coordinator.
 - **Per-worker steps** (a `DatasetCreator` or infinite dataset with
   `steps`): `steps` batches of whichever workers are free.
+
+`fit`'s validation stops early when a stop is requested (SIGTERM): no more
+functions are scheduled, those no worker started are dropped, the running ones
+finish, and `Stopped` is raised; its partial metrics are thrown away (the
+whole validation runs again when the fit resumes).
 """
 
 import itertools
@@ -26,6 +31,10 @@ from kfit_ps.training.monitor import job_monitor
 from kfit_ps.training.scheduling import (metric_logs, per_worker_dataset,
                                          per_worker_iterator, quiet_options_warning,
                                          schedule_steps)
+
+
+class Stopped(Exception):
+    """A validation stopped early because a stop was requested (see the module doc)."""
 
 
 class Evaluation:
@@ -57,8 +66,11 @@ class Evaluation:
         """Steps shown by progress bars and callbacks (shards, for a sharded evaluation)."""
         return self.num_shards or self.steps or self.input.num_batches
 
-    def run(self, callbacks):
+    def run(self, callbacks, stop_when=None):
+        """Evaluates once; returns the logs. With `stop_when`, raises `Stopped` as soon as
+        `stop_when()` is true, after the functions running on workers finished."""
         model, strategy = self.model, self.strategy
+        stop_when = stop_when or (lambda: False)
         monitor = job_monitor()
         workers = elastic.elastic()
         if workers.pending(strategy):  # Nothing in flight before an evaluation: a safe point.
@@ -78,6 +90,8 @@ class Evaluation:
                                                                  self.num_shards)
             shard_fn = fns.test_shard(self.num_shards, self._policy)
             for shard in range(self.num_shards):
+                if stop_when():
+                    break
                 callbacks.on_test_batch_begin(shard)
                 with quiet_options_warning():  # The first call traces the function.
                     result = coordinator.schedule(
@@ -92,18 +106,24 @@ class Evaluation:
                 self._iterator = per_worker_iterator(strategy, self.input)
             schedule_steps(coordinator, 0, self.steps, model.steps_per_execution, fns.test,
                            (self._iterator,), callbacks.on_test_batch_begin,
-                           callbacks.on_test_batch_end, accumulator,
+                           callbacks.on_test_batch_end, accumulator, should_stop=stop_when,
                            observe=lambda value, n: monitor.expect(value, n, phase="eval"))
             last = self.steps - 1
         else:
             step_fn = fns.test_batch()
             for step, batch in enumerate(itertools.islice(self.input.dataset, self.steps)):
+                if stop_when():
+                    break
                 callbacks.on_test_batch_begin(step)
                 result = coordinator.schedule(step_fn, args=(batch,))
                 monitor.expect(result, 1, phase="eval")
                 accumulator.add(result)
                 callbacks.on_test_batch_end(step, {})
-        cluster_health.join(strategy)
+        cluster_health.join(strategy, cancel_when=stop_when)
+        if stop_when():
+            monitor.event("evaluation", "chief:0", "an evaluation stopped early (a stop was "
+                          "requested); its partial metrics were dropped")
+            raise Stopped()
         accumulator.commit()
         logs = metric_logs(model)
         if last >= 0:  # Worker-read input: the last batch end comes after the join.

@@ -49,7 +49,7 @@ from kfit_ps.strategy import is_kfit_strategy
 from kfit_ps.training import (cluster_health, elastic, functions, inputs, metric_state,
                               moving_averages, preemption, sharded_updates)
 from kfit_ps.training.monitor import job_monitor, table_stats
-from kfit_ps.training.evaluation import Evaluation
+from kfit_ps.training.evaluation import Evaluation, Stopped as ValidationStopped
 from kfit_ps.training.dispatch import Dispatcher
 from kfit_ps.training.ps_recovery import PsRecovery
 from kfit_ps.training.scheduling import metric_logs, per_worker_iterator
@@ -252,6 +252,8 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                     data, tf.constant(step, tf.int64), e)
             with progress.joining():
                 step = first
+                if first >= steps_per_epoch:  # Stopped in its validation: trained, logs saved.
+                    logs = sync.resume_logs() or {}
                 for stop in sync.stops(epoch, first):
                     step = dispatcher.run(step, stop, args, accumulator)
                     guarded = dispatcher.guarded  # A ps restored in place: run it again.
@@ -264,7 +266,12 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                     if model.stop_training:
                         break
             if evaluation is not None and (epoch + 1) % validation_freq == 0:
-                val_logs = dispatcher.guarded(evaluation.run, callbacks)
+                try:
+                    val_logs = dispatcher.guarded(evaluation.run, callbacks,
+                                                  preemption.requested)
+                except ValidationStopped:  # Resumes at this epoch's end work.
+                    _stop_preempted(sync, epoch, step, logs, steps_per_epoch,
+                                    during="validation")
                 logs.update({f"val_{k}": v for k, v in val_logs.items()})
             progress.epoch_end(logs)
             logs.update(dispatcher.guarded(embeddings.epoch_stats, model))  # Dynamic tables.
@@ -307,16 +314,21 @@ def _one_pass_ledger(model, strategy, source):
     return ledger
 
 
-def _stop_preempted(sync, epoch, step, logs, steps_per_epoch):
-    """Every step scheduled is applied: lets callbacks save, then stops the script."""
+def _stop_preempted(sync, epoch, step, logs, steps_per_epoch, during=None):
+    """Every step scheduled is applied: lets callbacks save, then stops the script.
+
+    `during="validation"`: the epoch was trained and its validation stopped early; a
+    resume runs the validation and the epoch-end callbacks again, once."""
     backups = sync.preempted(epoch, step, dict(logs))
     saved = (f"and a backup of them was written ({', '.join(backups)}). Rerun the script to "
              "resume." if backups else
              "but no backup was written (no kfit_ps.callbacks.BackupAndRestore, and no "
              "kfit-ps run --backup-dir): a rerun starts this fit over.")
+    where = (" during its validation (dropped: a resume runs it and the epoch-end callbacks)"
+             if during == "validation" else "")
     stopped = Preempted(
         f"fit stopped on SIGTERM after step {step} of epoch {epoch + 1} (of "
-        f"{steps_per_epoch} steps); every step scheduled was applied, {saved}")
+        f"{steps_per_epoch} steps){where}; every step scheduled was applied, {saved}")
     print(f"kfit_ps: {stopped}", file=sys.stderr, flush=True)
     raise stopped
 

@@ -186,14 +186,21 @@ class BackupAndRestore(SyncCallback):
             return
         self._restore(self._path(sequence), marker)
         self._resume = (marker["epoch"], marker["batch"])
+        self._resume_logs = marker.get("epoch_logs")
 
     def resume_position(self):
         return self._resume
+
+    def resume_logs(self):
+        return getattr(self, "_resume_logs", None) if self._resume is not None else None
 
     def on_train_sync(self, epoch, step, logs):
         self._backup(*self._position(epoch, step))
 
     def on_train_preempt(self, epoch, step, logs):
+        if step >= self.params["steps"]:  # Stopped in the validation: its training logs kept,
+            return self._backup(epoch, step, epoch_logs={
+                k: _jsonable(v) for k, v in (logs or {}).items()})  # It resumes there.
         return self._backup(*self._position(epoch, step))
 
     def _position(self, epoch, step):
@@ -228,7 +235,7 @@ class BackupAndRestore(SyncCallback):
                                  history=self._history, ledger=self.ledger_state)
         self._remove_backups_before(self._sequence + 1)
 
-    def _backup(self, epoch, step):
+    def _backup(self, epoch, step, **extra):
         tf.io.gfile.makedirs(self.backup_dir)
         self._sequence += 1
         path = self._path(self._sequence)
@@ -237,7 +244,7 @@ class BackupAndRestore(SyncCallback):
                                  step=iteration, epoch=epoch, batch=step):
             self.model.save_weights(path, overwrite=True)
             checkpoint_files.publish(path, iteration, epoch, step, fit=self.fit_id,
-                                     history=self._history, ledger=self.ledger_state)
+                                     history=self._history, ledger=self.ledger_state, **extra)
         self._remove_backups_before(self._sequence)  # Only now that a newer one is complete.
         return path
 

@@ -14,6 +14,9 @@ still being applied. `SyncCallback` is how it asks:
   metrics so far.
 - `resume_position()`, called after `on_train_begin`, may return
   `(epoch, step)`: `fit` then starts `epoch` after its first `step` steps.
+  `step == steps_per_epoch` means the epoch was trained and its validation
+  stopped early: `fit` then runs the validation and the epoch-end callbacks,
+  with the epoch's training logs from `resume_logs()`.
 - `on_train_preempt(epoch, step, logs)` is called when the chief was asked
   to stop (SIGTERM, `kfit_ps.training.preemption`), after the steps in flight
   finished: the last chance to save a consistent state before `fit` raises
@@ -53,6 +56,10 @@ class SyncCallback(keras.callbacks.Callback):
         """`(epoch, step)` to resume training from, or None to start as asked."""
         return None
 
+    def resume_logs(self):
+        """The resumed epoch's training logs when `resume_position()` is at its end, or None."""
+        return None
+
     def on_train_preempt(self, epoch, step, logs):
         """Called once `step` steps of `epoch` are applied and `fit` is about to stop; returns
         the path of the backup it wrote, if it wrote one."""
@@ -75,6 +82,14 @@ class SyncPoints:
         positions = [p for p in (cb.resume_position() for cb in self._callbacks)
                      if p is not None]
         return max(positions) if positions else None
+
+    def resume_logs(self):
+        """The training logs of the epoch `resume_position()` resumes at the end of."""
+        position = self.resume_position()
+        for cb in self._callbacks:
+            if cb.resume_position() == position and cb.resume_logs() is not None:
+                return dict(cb.resume_logs())
+        return None
 
     def stops(self, epoch, first):
         """Sorted steps of `epoch` after which to synchronise (the last is the epoch end)."""
