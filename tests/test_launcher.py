@@ -26,6 +26,7 @@ JOB = textwrap.dedent("""
     from tests import helpers as h
 
     epochs, steps, spe = (int(a) for a in sys.argv[1:4])
+    own = [keras.callbacks.BackupAndRestore(sys.argv[4])] if len(sys.argv) > 4 else []
     strategy = kfit_ps.ParameterServerStrategy()
     with strategy.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
@@ -38,7 +39,7 @@ JOB = textwrap.dedent("""
                 print("STEP", int(self.model.optimizer.iterations.numpy()), flush=True)
 
     history = model.fit(kfit_ps.DatasetCreator(h.regression_dataset_fn()), epochs=epochs,
-                        steps_per_epoch=steps, verbose=0, callbacks=[Steps()])
+                        steps_per_epoch=steps, verbose=0, callbacks=[Steps()] + own)
     print("RESULT " + json.dumps({"iterations": int(model.optimizer.iterations.numpy()),
                                   "batches": history.history["batches"],
                                   "epochs": history.epoch}), flush=True)
@@ -112,12 +113,16 @@ def step_of(line):
 @pytest.mark.chaos
 @pytest.mark.slow
 def test_a_job_survives_sigkill_of_a_worker_a_ps_and_the_chief(tmp_path):
+    """The script brings Keras' own BackupAndRestore, as the TensorFlow tutorial's does: the
+    launcher's --backup-dir replaces it (it displaced the launcher's: no backup was written,
+    and the killed chief's job started over), and the chief says so."""
     epochs, steps, spe = 4, 500, 5
     total = epochs * steps
+    scripts_own = tmp_path / "scripts_own_backup"
     # The whole-job restart after a ps loss, the fallback of in-place recovery, chosen here.
     job = Job(tmp_path, "--workers", "2", "--ps", "1", "--backup-dir", str(tmp_path / "backup"),
               "--save-freq", "50", "--max-restarts", "2", "--ps-recovery", "restart",
-              script_args=(epochs, steps, spe))
+              script_args=(epochs, steps, spe, scripts_own))
     rng = random.Random(1234)
     victims = ["worker:1", "ps:0", "chief:0"]
     rng.shuffle(victims)
@@ -145,6 +150,10 @@ def test_a_job_survives_sigkill_of_a_worker_a_ps_and_the_chief(tmp_path):
     output = "\n".join(job.lines)
     assert "ParameterServerError" in output  # the chief stopped on the ps loss, typed
     assert "GRPC error information" not in output
+    assert (f"[chief] kfit_ps: the script's keras.callbacks.BackupAndRestore("
+            f"{str(scripts_own)!r}) is replaced by the launcher's backup in "
+            f"{str(tmp_path / 'backup')!r}") in output
+    assert not scripts_own.exists()  # one backup: the launcher's
     assert helpers.wait_for_no_servers(list(job.pids), timeout=15) == []
     assert job.left_running() == []
     assert_event_log_tells_each_kill(job.run_dir / "events.jsonl", killed)

@@ -8,7 +8,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kfit_ps import constants, validation
+from kfit_ps import _tf_compat, constants, validation
 from kfit_ps.training import checkpoint_files
 from kfit_ps.training.callbacks.base import SyncCallback, sync_every_from
 from kfit_ps.training.monitor import job_monitor
@@ -312,20 +312,36 @@ _launched_fits = itertools.count(1)
 
 
 def with_launcher_backup(callbacks):
-    """`callbacks`, plus a `BackupAndRestore` when `kfit-ps run --backup-dir` asked for one.
+    """`callbacks`, with the `BackupAndRestore` that `kfit-ps run --backup-dir` asked for.
 
     The launcher's backups belong to the script: each `fit` call gets the next
     `fit_id` (1, 2, 3, ... in call order), so a rerun skips the `fit`s that
-    completed and resumes the interrupted one. A script that has its own backup
-    callback (kfit_ps's or Keras') keeps it, alone.
+    completed and resumes the interrupted one. A job has one backup, in the
+    launcher's directory: a backup callback the script brings (Keras' or
+    kfit_ps') is replaced by it, and the chief says so, once per callback. (Kept,
+    Keras' would have displaced the launcher's: no backup in `--backup-dir`, and
+    no in-place ps recovery, which restores from kfit_ps' backup.)
     """
     callbacks = list(callbacks or [])
     requested = constants.launcher_backup()
     if requested is None:
         return callbacks
     fit_id = next(_launched_fits)  # Counts every fit, so ids do not depend on callbacks.
-    if any(isinstance(cb, (BackupAndRestore, keras.callbacks.BackupAndRestore))
-           for cb in callbacks):
-        return callbacks
     backup_dir, save_freq = requested
-    return callbacks + [BackupAndRestore(backup_dir, save_freq=save_freq, fit_id=fit_id)]
+    own = [cb for cb in callbacks
+           if isinstance(cb, (BackupAndRestore, keras.callbacks.BackupAndRestore))]
+    for cb in own:
+        if id(cb) not in _told_replaced:
+            _told_replaced.add(id(cb))
+            kind = ("kfit_ps.callbacks" if isinstance(cb, BackupAndRestore)
+                    else "keras.callbacks")
+            _tf_compat.print_msg(
+                f"kfit_ps: the script's {kind}.BackupAndRestore({cb.backup_dir!r}) is replaced "
+                f"by the launcher's backup in {backup_dir!r} (kfit-ps run --backup-dir, "
+                f"save_freq {save_freq!r}): one backup, to resume from and to restore a lost "
+                "ps in place.")
+    return [cb for cb in callbacks if cb not in own] + [
+        BackupAndRestore(backup_dir, save_freq=save_freq, fit_id=fit_id)]
+
+
+_told_replaced = set()
