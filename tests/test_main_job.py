@@ -182,4 +182,7 @@ def test_quickstart_runs_under_the_launcher(tmp_path):
     assert match and int(match.group(2)) == 40, out[-3000:]
     assert "2 workers + 2 ps ready" in out  # the launcher's servers, not a LocalCluster of its own
     assert foreign_lines(out) == [], out[-3000:]
+    # Each redraw of the progress bar ("\r", read here as a line end) carries the prefix.
+    bars = [line for line in out.splitlines() if re.search(r"\d+/40\b", line)]
+    assert bars and all(line.startswith("[chief] ") for line in bars), bars
     assert len(pids) == 4 and helpers.wait_for_no_servers(pids, timeout=10) == []

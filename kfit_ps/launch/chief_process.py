@@ -51,7 +51,7 @@ class ChiefProcess:
 
     def _copy_output(self):
         show_tf_logs, dropped = constants.show_tf_logs(), False
-        for line in iter(self.process.stdout.readline, b""):
+        for line in _segments(self.process.stdout):
             self._log.write(line)  # The log file keeps every line.
             self._log.flush()
             dropped = not show_tf_logs and is_tf_log_line(line, dropped)
@@ -138,3 +138,25 @@ def remove_backups(backup_dir):
 
     if tf.io.gfile.exists(backup_dir):
         tf.io.gfile.rmtree(backup_dir)
+
+
+def _segments(stream):
+    """What `stream` carries, cut after each newline *and* carriage return ("\r\n" is one
+    cut): a progress bar redrawing its line with "\r" is copied (and prefixed) at each
+    redraw, not once its line ends."""
+    pending = b""
+    while True:
+        chunk = stream.read1(65536)
+        if not chunk:
+            break
+        pending += chunk
+        start = 0
+        for i, byte in enumerate(pending):
+            if byte == 0x0D and (i + 1 == len(pending) or pending[i + 1] == 0x0A):
+                continue  # "\r\n" ends one line; a last "\r" waits to see what follows.
+            if byte in (0x0A, 0x0D):
+                yield pending[start:i + 1]
+                start = i + 1
+        pending = pending[start:]
+    if pending:
+        yield pending
