@@ -78,14 +78,9 @@ def test_steps_per_epoch_still_streams(model):
 @pytest.mark.parametrize("make, fragments", [
     (lambda: _dataset().filter(lambda f, t: True),
      ["does not know how many batches", "unknown cardinality", "steps_per_epoch"]),
-    (lambda: tf.data.Dataset.from_tensor_slices(helpers.indexed_arrays(N)).shuffle(100).batch(
-        BATCH),
+    (lambda: kfit_ps.DatasetCreator(lambda context: tf.data.Dataset.from_tensor_slices(
+        helpers.indexed_arrays(N)).shuffle(100).batch(BATCH)),
      ["shuffles (ShuffleDataset", "shuffle=True", "steps_per_epoch"]),
-    (lambda: tf.data.Dataset.from_generator(
-        lambda: iter([((np.zeros((2, 8), "float32"), np.zeros(2, "int64")),
-                       np.zeros((2, 1), "float32"))]),
-        output_signature=_dataset().element_spec).apply(tf.data.experimental.assert_cardinality(1)),
-     ["cannot be read by batch index", "Random access", "steps_per_epoch"]),
     (lambda: _dataset().repeat(), ["`steps_per_epoch` is required", "infinite",
                                    "steps_per_epoch=None"]),
     (lambda: _dataset().take(0), ["has no batches", "cardinality 0"]),
@@ -95,6 +90,31 @@ def test_data_without_one_pass_epochs_is_refused_clearly(model, make, fragments)
         model.fit(make(), epochs=1, verbose=0)
     for fragment in fragments:
         assert fragment in str(info.value), str(info.value)
+
+
+def test_a_dataset_workers_cannot_address_is_shipped_one_pass_per_epoch(model, capsys):
+    """A shuffling dataset (and one from a Python generator) is read by the chief and shipped,
+    each batch once per epoch, in a new order each epoch; said once per `fit`. (Both were
+    refused before: Keras scripts shuffle their datasets.)"""
+    shuffled = tf.data.Dataset.from_tensor_slices(helpers.indexed_arrays(N)).shuffle(
+        N).batch(BATCH)
+    counts, logs = _counts_after(model, lambda: model.fit(shuffled, epochs=2, verbose=0))
+    assert np.bincount(counts).tolist() == [0, 0, N]  # every example once per epoch
+    assert "ledger_splits" not in logs and len(logs["loss"]) == 2
+    said = capsys.readouterr().out
+    assert said.count("is read on the coordinator and each batch shipped with its step "
+                      "(it shuffles)") == 1, said
+    (x, index), y = helpers.indexed_arrays(N)
+    batches = lambda: (((x[i:i + BATCH], index[i:i + BATCH]), y[i:i + BATCH])  # noqa: E731
+                       for i in range(0, N, BATCH))
+    generated = tf.data.Dataset.from_generator(
+        batches, output_signature=_dataset().element_spec).apply(
+        tf.data.experimental.assert_cardinality(-(-N // BATCH)))
+    counts, logs = _counts_after(model, lambda: model.fit(generated, epochs=1, verbose=0))
+    assert np.bincount(counts).tolist() == [0, N]
+    # A Python generator is this process's: workers cannot run a copy of it.
+    assert "(it uses state of this process: a variable or a Python function)" in \
+        capsys.readouterr().out
 
 
 # 200,000 indexed examples, batch 256, 5 steps per function, 2 workers; a first epoch without
@@ -340,3 +360,48 @@ def test_the_ledger_counts_splits_never_finished_as_lost(strategy):
     ledger.dispatched(10, [5, 1])
     ledger.joined()
     assert ledger.end_epoch().lost == 0
+
+
+SHIPPED_WITH_KILLS = """
+import threading
+from tests import helpers as h
+
+N, BATCH = 20_000, 64
+with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+    strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+    shuffled = tf.data.Dataset.from_tensor_slices(h.indexed_arrays(N)).shuffle(N).batch(BATCH)
+    with strategy.scope():
+        model = h.counting_model(N)
+        model.compile(optimizer="adam", loss="mse", steps_per_execution=2,
+                      metrics=[h.counting_metric()])
+    kills = []
+
+    class Kill(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch in (40, 200) and len(kills) < 2 and batch not in kills:
+                kills.append(batch)
+                index = len(kills) % 2
+                cluster.kill("worker", index)
+                threading.Timer(0.5, cluster.restart, ("worker", index)).start()
+
+    history = model.fit(shuffled, epochs=1, verbose=0, callbacks=[Kill()])
+    report(counts=np.bincount(model.counts.numpy()).tolist(), kills=kills,
+           batches=history.history["batches"],
+           iterations=int(model.optimizer.iterations.numpy()))
+os._exit(0)
+"""
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+def test_a_shipped_epoch_with_workers_killed_trains_every_example(tmp_path):
+    """A shuffling dataset is shipped; two workers are SIGKILLed mid-epoch (and restarted):
+    every example is trained, those trained twice lie within the functions in flight on the
+    killed workers (TensorFlow re-runs them), and the epoch's metrics count each batch once."""
+    result = helpers.run_chief(SHIPPED_WITH_KILLS, timeout=300)
+    counts, batches = result["counts"], -(-20_000 // 64)
+    assert result["kills"] == [40, 200]
+    assert counts[0] == 0  # none lost
+    assert sum(counts[2:]) <= 2 * 2 * 64, counts  # at most one function (2 batches) per kill
+    assert result["batches"] == [float(batches)]  # metrics exactly once per batch
+    assert batches <= result["iterations"] <= batches + 2 * 2

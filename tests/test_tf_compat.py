@@ -535,3 +535,26 @@ def test_observed_closures_report_the_worker_that_finished_each_function(strateg
     assert {index for index, _, _ in mine} <= {0, 1}
     assert all(seconds >= 0 for _, _, seconds in mine)
     _tf_compat.observe_closures(coordinator, lambda *args: None)  # leave the shared one quiet
+
+
+def test_dataset_ops_and_external_state_are_read_from_the_serialized_pipeline():
+    """`shuffle_ops` names a pipeline's shuffles; `external_state` says why a pipeline that
+    uses this process's state (a variable a `map` reads, a Python generator) cannot be copied to
+    another task, and None for one that can (a lookup layer's table is rebuilt from its
+    initializer, Keras 3 preprocessing layers map with their values)."""
+    import keras
+
+    plain = tf.data.Dataset.range(10).map(lambda x: x * 2).batch(2)
+    assert _tf_compat.shuffle_ops(plain) == []
+    assert _tf_compat.shuffle_ops(plain.shuffle(4)) == ["ShuffleDatasetV3"]
+    assert _tf_compat.external_state(plain) is None
+    assert _tf_compat.external_state(plain.shuffle(4)) is None  # a seed, not external state
+    lookup = keras.layers.StringLookup(vocabulary=["a", "b"])
+    assert _tf_compat.external_state(tf.data.Dataset.from_tensor_slices(["a", "c"]).map(
+        lookup)) is None
+    scale = tf.Variable(2, dtype=tf.int64)
+    read = _tf_compat.external_state(plain.map(lambda x: x * scale))
+    assert "ReadVariableOp is stateful" in read  # TensorFlow's first line
+    generated = tf.data.Dataset.from_generator(lambda: iter([1, 2]),
+                                               output_signature=tf.TensorSpec((), tf.int64))
+    assert _tf_compat.external_state(generated)

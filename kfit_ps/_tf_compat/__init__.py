@@ -36,7 +36,8 @@ from kfit_ps._tf_compat.hash_tables import critical_section, hash_table
 from kfit_ps._tf_compat.keras_data import (class_weight_map_fn, class_weight_to_sample_weights,
                                           train_validation_split)
 from kfit_ps._tf_compat.read_cache import CachedReadScope
-from kfit_ps._tf_compat.datasets import shard_dataset, shard_policy, shuffle_ops, with_shard_policy
+from kfit_ps._tf_compat.datasets import (external_state, shard_dataset, shard_policy, shuffle_ops,
+                                         with_shard_policy)
 from kfit_ps._tf_compat.fused_adam import apply_adam, can_fuse as can_fuse_adam
 from kfit_ps._tf_compat.keras_sharding import (
     install_sharding_support,
@@ -78,6 +79,7 @@ __all__ = [
     "shard_dataset",
     "shard_policy",
     "shuffle_ops",
+    "external_state",
     "with_shard_policy",
     "apply_adam",
     "remove_autograph_files",

@@ -108,3 +108,20 @@ def shuffle_ops(dataset):
     ops = {node.op for node in graph.node}
     ops.update(node.op for function in graph.library.function for node in function.node_def)
     return sorted(ops & set(_SHUFFLE_OPS))
+
+
+def external_state(dataset):
+    """Why `dataset` (an eager dataset) cannot be copied to another task, or None.
+
+    A pipeline that uses state of this process (a lookup table or a variable a
+    `map` captures, e.g. an adapted preprocessing layer's; a stateful op) cannot
+    be serialized without it: TensorFlow's own refusal (`ExternalStatePolicy.FAIL`,
+    through the private `_as_serialized_graph`) is returned, its first line.
+    """
+    check_versions()
+    try:
+        dataset._as_serialized_graph(  # noqa: SLF001
+            external_state_policy=tf.data.experimental.ExternalStatePolicy.FAIL)
+    except (tf.errors.FailedPreconditionError, tf.errors.InvalidArgumentError) as e:
+        return str(e).strip().splitlines()[0][:300]
+    return None

@@ -7,7 +7,7 @@ read by batch index) without `steps_per_epoch` trains one pass per epoch:
 """
 
 from kfit_ps.ledger.ledger import EpochReport, Ledger, Rerun
-from kfit_ps.ledger.sources import ArraySource, DatasetSource, dataset_source
+from kfit_ps.ledger.sources import ArraySource, DatasetSource, NotIndexable, dataset_source
 
 
 def reports(model):
@@ -16,5 +16,5 @@ def reports(model):
     return list(ledger.reports) if ledger is not None else []
 
 
-__all__ = ["ArraySource", "DatasetSource", "EpochReport", "Ledger", "Rerun", "dataset_source",
-           "reports"]
+__all__ = ["ArraySource", "DatasetSource", "EpochReport", "Ledger", "NotIndexable", "Rerun",
+           "dataset_source", "reports"]

@@ -185,6 +185,23 @@ class ScheduledFunctions:
         """`fn(batch) -> packed metric state`: one training step on a shipped batch."""
         return self._on_shipped_batch(("train_batch",), self._train_step(), False)
 
+    def train_batches(self, k):
+        """`fn(batches) -> packed metric state`: `k` training steps on `k` shipped batches."""
+        strategy, metric_state = self._strategy, self.metric_state
+
+        def build():
+            train_step = self._train_step()
+
+            def run(batches):
+                state = metric_state.zeros()
+                for batch in batches:  # A Python loop over a tuple: unrolled, k steps.
+                    state = metric_state.run_replica(strategy, train_step, batch, state)
+                return metric_state.pack(state)
+
+            return tf.function(run, jit_compile=False)
+
+        return self._get(("train_batches", k), build)
+
     def test_batch(self):
         """`fn(batch) -> packed metric state`: one evaluation step on a shipped batch."""
         return self._on_shipped_batch(("test_batch",), self._reading_step(self._model.test_step),

@@ -63,6 +63,9 @@ class WorkerInput:
     # For training: a function returning the `kfit_ps.ledger` source of one-pass epochs
     # (finite data, `fit` without `steps_per_epoch`); it raises when the data has none.
     one_pass: object = dataclasses.field(default=None, compare=False, repr=False)
+    # For training: the finite tf.data.Dataset given, which the coordinator can read itself
+    # and ship batch by batch when workers cannot read it by index (`training.shipped`).
+    shippable: object = dataclasses.field(default=None, compare=False, repr=False)
     # For evaluation: the finite dataset `dataset_fn` built on the coordinator when adapted,
     # kept to pick how it is split (`_tf_compat.shard_policy`) without building it again.
     sample: object = dataclasses.field(default=None, compare=False, repr=False)
@@ -231,7 +234,8 @@ def adapt(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True, train
             dataset = x if cardinality == tf.data.INFINITE_CARDINALITY else x.repeat()
             return WorkerInput(element_spec=x.element_spec, dataset=dataset,
                                num_batches=cardinality if cardinality >= 0 else None,
-                               one_pass=lambda: ledger.dataset_source(x, arg))
+                               one_pass=lambda: ledger.dataset_source(x, arg),
+                               shippable=x if cardinality > 0 else None)
         return ShippedInput(dataset=x, element_spec=x.element_spec,
                             num_batches=cardinality if cardinality >= 0 else None)
 

@@ -48,6 +48,7 @@ from kfit_ps.errors import Preempted, is_cluster_failure
 from kfit_ps.strategy import is_kfit_strategy
 from kfit_ps.training import (cluster_health, elastic, functions, inputs, metric_state,
                               moving_averages, preemption, sharded_updates)
+from kfit_ps.training import shipped as shipping
 from kfit_ps.training.monitor import job_monitor, table_stats
 from kfit_ps.training.evaluation import Evaluation, Stopped as ValidationStopped
 from kfit_ps.training.dispatch import Dispatcher
@@ -172,10 +173,12 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
 
     train_input = inputs.adapt(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
                                training=True)
-    source = None
+    source = shipped = None
     if steps_per_epoch is None and train_input.one_pass is not None:
-        source = train_input.one_pass()  # One pass per epoch, or an error saying why not.
-        steps_per_epoch = source.num_batches
+        # One pass per epoch: read by index on the workers, else shipped by the coordinator,
+        # else an error saying why neither.
+        source, shipped = shipping.refusal_or_shipped(train_input, "x")
+        steps_per_epoch = (source if source is not None else shipped).num_batches
     steps_per_epoch = inputs.check_steps(
         "steps_per_epoch", steps_per_epoch,
         required_because="with a DatasetCreator or a tf.data.Dataset")
@@ -195,7 +198,11 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
     if workers.pending(strategy):  # Between fits nothing is in flight: a safe point.
         workers.apply(strategy, monitor)
     fns = functions.for_model(model, strategy, "train_function")
-    if source is None:  # A stream: each worker's own repeated pipeline.
+    if shipped is not None:  # Batches read here and sent with their functions.
+        ledger = None
+        train_for = lambda: functions.for_model(  # noqa: E731
+            model, strategy, "train_function").train_batches
+    elif source is None:  # A stream: each worker's own repeated pipeline.
         iterator = per_worker_iterator(strategy, train_input)
         ledger = None
         train_for = lambda: functions.for_model(model, strategy, "train_function").train  # noqa
@@ -206,7 +213,8 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
     callbacks = CallbackList(callbacks, add_history=True, add_progbar=False, model=model,
                              verbose=verbose, epochs=epochs, steps=steps_per_epoch)
     sync = SyncPoints(callbacks.callbacks, steps_per_epoch,
-                      ledger.state() if ledger is not None else None)
+                      ledger.state() if ledger is not None else None,
+                      every=shipping.WINDOW if shipped is not None else None)
     progress = Progress(verbose, epochs, steps_per_epoch)
     iterations = model.optimizer.iterations if model.optimizer is not None else None
     observe = functools.partial(monitor.expect, examples=inputs.static_batch_size(train_input))
@@ -243,12 +251,20 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                 start = int(iterations.numpy()) - first  # Before dispatch: no step missed.
                 counter = lambda start=start: int(iterations.numpy()) - start  # noqa: E731
             progress.epoch_begin(epoch, counter)
-            if ledger is None:
+            if shipped is not None:
+                shipped.begin_epoch(first)
+                args = shipped.args
+                if first and shipped.shuffles:
+                    _tf_compat.print_msg(
+                        f"kfit_ps: resuming epoch {epoch + 1} at batch {first}: `x` shuffles, "
+                        "so its remaining batches are drawn from a new pass (not the ones "
+                        "the stopped run had left).")
+            elif ledger is None:
                 args = (iterator,)
             else:
                 ledger.begin_epoch(epoch, first)
                 epoch_tensor = tf.constant(epoch, tf.int64)
-                args = lambda step, e=epoch_tensor: (  # noqa: E731
+                args = lambda step, n, e=epoch_tensor: (  # noqa: E731
                     data, tf.constant(step, tf.int64), e)
             with progress.joining():
                 step = first
@@ -256,6 +272,8 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                     logs = sync.resume_logs() or {}
                 for stop in sync.stops(epoch, first):
                     step = dispatcher.run(step, stop, args, accumulator)
+                    if shipped is not None:
+                        shipped.forget_before(step)
                     guarded = dispatcher.guarded  # A ps restored in place: run it again.
                     logs = guarded(lambda: accumulator.commit() or metric_logs(model))
                     if step < stop:

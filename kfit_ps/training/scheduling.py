@@ -137,8 +137,8 @@ def schedule_steps(coordinator, start, stop, k, function_for, args, on_begin, on
                    scheduled=None):
     """Schedules steps `start..stop-1` in functions of at most `k` steps.
 
-    `args`: the functions' arguments, or a function of the first step that
-    returns them. Batch hooks: begin(first step), end(last step) per function, except the
+    `args`: the functions' arguments, or a function of the first step and the number
+    of steps that returns them. Batch hooks: begin(first step), end(last step) per function, except the
     final end, which the caller makes after synchronising. Each function's
     returned metric state goes to `accumulator`. When `should_stop()` turns
     true, nothing more is scheduled. `observe(remote_value, steps)`, when
@@ -153,7 +153,7 @@ def schedule_steps(coordinator, start, stop, k, function_for, args, on_begin, on
         n = min(k, stop - step)
         if step >= hooked:
             on_begin(step)
-        call_args = args(step) if callable(args) else args
+        call_args = args(step, n) if callable(args) else args
         remote_value = coordinator.schedule(function_for(n), args=call_args)
         if observe is not None:
             observe(remote_value, n)

@@ -72,9 +72,10 @@ class SyncCallback(keras.callbacks.Callback):
 class SyncPoints:
     """Where one `fit` call synchronises, from its callbacks' `sync_every`."""
 
-    def __init__(self, callbacks, steps_per_epoch, ledger_state=None):
+    def __init__(self, callbacks, steps_per_epoch, ledger_state=None, every=None):
         self._callbacks = [cb for cb in callbacks if isinstance(cb, SyncCallback)]
         self._steps = steps_per_epoch
+        self._every = every  # Also join every `every` steps of an epoch (shipped batches).
         for cb in self._callbacks:
             cb.ledger_state = ledger_state
 
@@ -94,6 +95,8 @@ class SyncPoints:
     def stops(self, epoch, first):
         """Sorted steps of `epoch` after which to synchronise (the last is the epoch end)."""
         base, points = epoch * self._steps, {self._steps}
+        if self._every:
+            points.update(range(self._every, self._steps, self._every))
         for cb in self._callbacks:
             n = cb.sync_every
             if not n:
