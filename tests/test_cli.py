@@ -110,3 +110,25 @@ def test_bad_flags_are_named(failures, args, flag):
     status, err = failures[args, None]
     assert status == 2
     assert f"{flag}: must be an integer >= 1. Received: {flag}" in err
+
+
+def test_launch_defaults_come_from_launch_config_alone(monkeypatch):
+    """`kfit-ps run`'s defaults, and the "(default N)" of its help, are LaunchConfig's."""
+    import dataclasses
+
+    from kfit_ps import constants
+    from kfit_ps.cli.main import build_parser
+    from kfit_ps.launch.config import LaunchConfig
+
+    for name in (constants.WORKERS_ENV, constants.PS_ENV, constants.STATUS_PORT_ENV):
+        monkeypatch.delenv(name, raising=False)
+    parser = build_parser()
+    args = parser.parse_args(["run", "--", "python", "train.py"])
+    flags = {"num_workers": "workers", "num_ps": "ps"}
+    for field in dataclasses.fields(LaunchConfig):
+        if field.name in ("command", "tasks", "run_dir", "backup_dir", "ps_failure_grace"):
+            continue
+        assert getattr(args, flags.get(field.name, field.name)) == field.default, field.name
+    run_help = next(a for a in parser._subparsers._group_actions[0].choices.items()
+                    if a[0] == "run")[1].format_help()
+    assert "(default 3)" in run_help and "(default 20;" in " ".join(run_help.split())

@@ -5,6 +5,7 @@ network namespace when isolation is asked for and possible.
 """
 
 import argparse
+import dataclasses
 import sys
 
 from kfit_ps import constants
@@ -165,49 +166,71 @@ def cmd_manifests(args, parser):
     return 0
 
 
+def _default(name):
+    """`LaunchConfig`'s default for `name`: the one place launch defaults are set."""
+    from kfit_ps.launch.config import LaunchConfig
+
+    [field] = [f for f in dataclasses.fields(LaunchConfig) if f.name == name]
+    return field.default
+
+
+def _shown(name):
+    value = _default(name)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def add_parsers(sub):
     """Adds the `run` and `manifests` subcommands to `sub` (argparse subparsers)."""
     run = sub.add_parser(
         "run", help="run a script as the chief of a job that survives the loss of any task",
         description="Starts the worker and ps servers and the script (after --) as the chief, "
                     "with TF_CONFIG set; restarts lost tasks; returns the chief's exit status.")
-    run.add_argument("--workers", type=int, default=constants.env_int(constants.WORKERS_ENV, 2))
-    run.add_argument("--ps", type=int, default=constants.env_int(constants.PS_ENV, 1))
-    run.add_argument("--max-restarts", type=int, default=3,
-                     help="restarts allowed per task before the job fails (default 3)")
-    run.add_argument("--backoff", type=float, default=1.0,
+    run.add_argument("--workers", type=int,
+                     default=constants.env_int(constants.WORKERS_ENV, _default("num_workers")))
+    run.add_argument("--ps", type=int,
+                     default=constants.env_int(constants.PS_ENV, _default("num_ps")))
+    run.add_argument("--max-restarts", type=int, default=_default("max_restarts"),
+                     help="restarts allowed per task before the job fails "
+                          f"(default {_shown('max_restarts')})")
+    run.add_argument("--backoff", type=float, default=_default("backoff"),
                      help="seconds before a task's first restart; doubles with each further "
-                          "one (default 1)")
-    run.add_argument("--max-backoff", type=float, default=30.0,
-                     help="longest wait before a restart, in seconds (default 30)")
-    run.add_argument("--healthy-period", type=float, default=600.0,
+                          f"one (default {_shown('backoff')})")
+    run.add_argument("--max-backoff", type=float, default=_default("max_backoff"),
+                     help="longest wait before a restart, in seconds "
+                          f"(default {_shown('max_backoff')})")
+    run.add_argument("--healthy-period", type=float, default=_default("healthy_period"),
                      help="seconds without a failure after which a task's restart budget is "
-                          "full again (default 600)")
-    run.add_argument("--grace", type=float, default=20.0,
+                          f"full again (default {_shown('healthy_period')})")
+    run.add_argument("--grace", type=float, default=_default("grace"),
                      help="seconds the chief gets after SIGTERM to finish its steps in flight "
-                          "and write a final backup (default 20; Kubernetes allows 30 unless "
-                          "told otherwise)")
-    run.add_argument("--liveness-timeout", type=float, default=60.0,
+                          f"and write a final backup (default {_shown('grace')}; Kubernetes "
+                          "allows 30 unless told otherwise)")
+    run.add_argument("--liveness-timeout", type=float, default=_default("liveness_timeout"),
                      help="seconds a server may accept connections without answering before "
-                          "it is killed and restarted (default 60; 0: off)")
+                          f"it is killed and restarted (default {_shown('liveness_timeout')}; "
+                          "0: off)")
     run.add_argument("--backup-dir", default=None,
                      help="fit backs up here and resumes from it after a restart")
-    run.add_argument("--save-freq", default="epoch", type=_save_freq,
-                     help="backup frequency: 'epoch' or a number of steps (default epoch)")
+    run.add_argument("--save-freq", default=_default("save_freq"), type=_save_freq,
+                     help="backup frequency: 'epoch' or a number of steps "
+                          f"(default {_shown('save_freq')})")
     run.add_argument("--run-dir", default=None,
                      help="per-task logs and tasks.json (default: a new temporary directory)")
     run.add_argument("--status-port", type=int,
-                     default=constants.env_int(constants.STATUS_PORT_ENV, 0),
+                     default=constants.env_int(constants.STATUS_PORT_ENV, _default("status_port")),
                      help="port of the status page and metrics (/, /status.json, /metrics); "
                           "the chief's metrics take the next port (default "
                           "$KFIT_PS_STATUS_PORT, else 0: free ports, printed at start)")
-    run.add_argument("--status-address", default="127.0.0.1",
-                     help="address the status page listens on (default 127.0.0.1: this "
-                          "machine only; 0.0.0.0 lets a scraper on another host in)")
-    run.add_argument("--ps-recovery", choices=("in-place", "restart"), default="in-place",
-                     help="a lost ps: 'in-place' (default) restarts it and the chief restores "
-                          "its variables from the last backup, the rest keeping their state; "
-                          "'restart' restarts the whole job from the last backup")
+    run.add_argument("--status-address", default=_default("status_address"),
+                     help="address the status page listens on (default "
+                          f"{_shown('status_address')}: this machine only; 0.0.0.0 lets a "
+                          "scraper on another host in)")
+    run.add_argument("--ps-recovery", choices=("in-place", "restart"),
+                     default=_default("ps_recovery"),
+                     help="a lost ps: 'in-place' restarts it and the chief restores its "
+                          "variables from the last backup, the rest keeping their state; "
+                          "'restart' restarts the whole job from the last backup (default "
+                          f"{_shown('ps_recovery')})")
     run.add_argument("--isolated", action="store_true",
                      help="run the job in a private network namespace (loopback only); the "
                           "script then cannot reach remote data or gs://")
