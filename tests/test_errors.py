@@ -104,6 +104,21 @@ def test_fit_in_scope_on_model_built_outside(strategy):
           "/job:chief")
 
 
+def test_a_preprocessing_layer_adapted_before_the_scope_is_refused_at_fit_start(strategy):
+    """Its state lives on the chief: refused when `fit` starts (not after training), naming
+    the variable and saying to adapt it under the scope."""
+    norm = keras.layers.Normalization()
+    norm.adapt(np.ones((8, 4), "float32"))
+    with strategy.scope():
+        inputs = keras.Input((4,))
+        model = keras.Model(inputs, keras.layers.Dense(1)(norm(inputs)))
+        model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError) as info:
+        model.fit(np.ones((8, 4), "float32"), np.ones((8, 1), "float32"), epochs=1, verbose=0)
+    check(info, "variable 'normalization", "/mean' was created outside the kfit_ps strategy "
+          "scope", "make and `adapt()` that layer under the scope too")
+
+
 def test_other_unsupported_fit_arguments(model):
     x, y = helpers.regression_arrays(rows=10)
     with pytest.raises(ValueError) as info:

@@ -128,8 +128,10 @@ def test_backup_and_restore_resumes_after_the_coordinator_is_sigkilled(tmp_path)
 
     result = json.loads(lines[-1].split(helpers.RESULT_PREFIX, 1)[1])
     assert result["iterations"] == 5 * 30  # exactly an uninterrupted run's steps
-    assert result["epochs"] == [2, 3, 4]  # resumed in epoch 3 (index 2)...
-    assert result["batches"] == [20.0, 30.0, 30.0]  # ...after its first 10 steps
+    # Resumed in epoch 3 (index 2) after its first 10 steps; the History holds the epochs
+    # before the resume too, from the backup.
+    assert result["epochs"] == [0, 1, 2, 3, 4]
+    assert result["batches"] == [30.0, 30.0, 20.0, 30.0, 30.0]
     assert result["backup_left"] is False
     assert helpers.wait_for_no_servers(result["pids"], timeout=10) == []
     shutil.rmtree(backup_dir, ignore_errors=True)

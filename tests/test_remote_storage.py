@@ -65,7 +65,7 @@ def test_checkpoints_backup_resume_and_evaluator_on_ram(strategy, root):
     assert not tf.io.gfile.exists("ram:")  # nothing on the local disk by that name
     fresh = compiled(strategy)
     history = fresh.fit(data, epochs=3, steps_per_epoch=5, verbose=0, callbacks=callbacks())
-    assert history.epoch == [1, 2] and history.history["batches"] == [1.0, 5.0]
+    assert history.epoch == [0, 1, 2] and history.history["batches"] == [5.0, 1.0, 5.0]
     assert int(fresh.optimizer.iterations.numpy()) == 15
     assert not tf.io.gfile.exists(backup_dir)  # deleted when fit completed
 

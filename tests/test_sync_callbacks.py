@@ -111,8 +111,10 @@ def test_backup_and_restore_resumes_mid_epoch(strategy, tmp_path):
     for a, b in zip(seen["weights"], saved.get_weights()):
         np.testing.assert_array_equal(a, b)
     assert int(seen["slots"][0]) == 9 and any(np.any(s != 0) for s in seen["slots"][2:])
-    assert history.epoch == [1, 2]
-    assert history.history["batches"] == [1.0, 5.0]  # the rest of epoch 1, then epoch 2
+    # The History holds every epoch once: epoch 0 from the backup, the rest of epoch 1 (its
+    # metrics count this run's batches), then epoch 2.
+    assert history.epoch == [0, 1, 2]
+    assert history.history["batches"] == [5.0, 1.0, 5.0]
     assert int(fresh.optimizer.iterations.numpy()) == 15
     assert not backup_dir.exists()  # deleted when fit completed
     history = fresh.fit(data, epochs=1, steps_per_epoch=5, verbose=0, callbacks=[
@@ -239,10 +241,15 @@ def test_backup_with_a_corrupt_marker_falls_back_to_the_previous_one(strategy, t
     assert resumed["files"] == sorted([p.name for p in good] + [
         "backup-00000004.weights.h5", "backup-00000004.weights.h5.kfit_ps.json"])
     assert "backup-00000004.weights.h5" in caplog.text and "not valid JSON" in caplog.text
-    assert history.epoch == [1, 2]
+    assert history.epoch == [0, 1, 2]
     # New backups never reuse a name, and older ones go only once a newer one is complete.
     assert sorted(p.name for p in backup_dir.iterdir()) == [
         "backup-00000006.weights.h5", "backup-00000006.weights.h5.kfit_ps.json"]
+    # 6 was written at global step 15, epoch 2's last step; that epoch's end work done, its
+    # marker resumes after it.
+    marker = json.loads((backup_dir / "backup-00000006.weights.h5.kfit_ps.json").read_text())
+    assert (marker["epoch"], marker["batch"], marker["step"]) == (3, 0, 15)
+    assert marker["history"]["epoch"] == [0, 1, 2]
 
 
 def test_backup_dir_without_any_complete_backup_starts_over_with_a_warning(strategy, tmp_path,
@@ -268,4 +275,4 @@ def test_a_backup_whose_write_never_finished_is_skipped(strategy, tmp_path):
     fresh, _ = model_and_data(strategy, optimizer="adam")
     history = fresh.fit(data, epochs=3, steps_per_epoch=5, verbose=0, callbacks=[
         kfit_ps.callbacks.BackupAndRestore(str(backup_dir), save_freq=3)])
-    assert history.epoch == [1, 2] and int(fresh.optimizer.iterations.numpy()) == 15
+    assert history.epoch == [0, 1, 2] and int(fresh.optimizer.iterations.numpy()) == 15

@@ -112,6 +112,17 @@ def publish(checkpoint_path, step, epoch, batch=None, **extra):
     return marker
 
 
+def republish(checkpoint_path, marker, **changes):
+    """Rewrites the marker of a published checkpoint file with `changes` (its bytes are the
+    same: size and hash kept), through a temporary file renamed over it, so a reader sees the
+    old marker or the new one, never a part; returns the new marker."""
+    updated = {**marker, **changes}
+    final = checkpoint_path + MARKER_SUFFIX
+    write_json(final + ".tmp", updated)
+    tf.io.gfile.rename(final + ".tmp", final, overwrite=True)
+    return updated
+
+
 def read_marker(checkpoint_path):
     """The marker of `checkpoint_path`: None if missing, `Unreadable` if corrupt."""
     return read_json(checkpoint_path + MARKER_SUFFIX)

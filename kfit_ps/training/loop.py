@@ -139,11 +139,15 @@ def _check_placement(model, method):
         for v in variables:
             if not _tf_compat.is_kfit_variable(v):
                 device = getattr(_tf_compat.storage(v), "device", "?")
+                state = (" It is the state of a layer made before the model (an adapted "
+                         "preprocessing layer's, e.g. `Normalization`): make and `adapt()` that "
+                         "layer under the scope too, after the strategy line."
+                         if kind == "model" and not v.trainable else "")
                 raise ValueError(
                     f"`{method}` was called on model {model.name!r} whose {kind} variable "
                     f"{v.path!r} was created outside the kfit_ps strategy scope (it lives on "
                     f"{device}, not on a ps task). Create the model and call `compile()` inside "
-                    "`with strategy.scope():`, then call `fit`/`evaluate`/`predict`."
+                    f"`with strategy.scope():`, then call `fit`/`evaluate`/`predict`.{state}"
                 )
 
 
@@ -242,13 +246,14 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
         logs = {}
         for epoch in range(initial_epoch, epochs):
             first = first_step if epoch == initial_epoch else 0
-            model.reset_metrics()
+            dispatcher.guarded(model.reset_metrics)  # A ps lost meanwhile: restored first.
             accumulator = metric_state.Accumulator(
                 fns.metric_state, fetch=cluster_health.result_fetcher(strategy))
             callbacks.on_epoch_begin(epoch)
             counter = None
             if progress.verbose == 1 and iterations is not None:
-                start = int(iterations.numpy()) - first  # Before dispatch: no step missed.
+                start = dispatcher.guarded(lambda: int(iterations.numpy())) - first  # Before
+                # dispatch: no step missed.
                 counter = lambda start=start: int(iterations.numpy()) - start  # noqa: E731
             progress.epoch_begin(epoch, counter)
             if shipped is not None:

@@ -167,7 +167,7 @@ class BackupAndRestore(SyncCallback):
     # Callback hooks ------------------------------------------------------------------------
 
     def on_train_begin(self, logs=None):
-        self._resume, self._skipped = None, None
+        self._resume, self._skipped, self._written = None, None, None
         self._history = {"epoch": [], "history": {}}
         if self.fit_id is not None:
             final, _ = checkpoint_files.published_marker(self._final_path())
@@ -195,17 +195,23 @@ class BackupAndRestore(SyncCallback):
         return getattr(self, "_resume_logs", None) if self._resume is not None else None
 
     def on_train_sync(self, epoch, step, logs):
-        self._backup(*self._position(epoch, step))
+        self._backup_after(epoch, step, logs)
 
     def on_train_preempt(self, epoch, step, logs):
-        if step >= self.params["steps"]:  # Stopped in the validation: its training logs kept,
-            return self._backup(epoch, step, epoch_logs={
-                k: _jsonable(v) for k, v in (logs or {}).items()})  # It resumes there.
-        return self._backup(*self._position(epoch, step))
+        return self._backup_after(epoch, step, logs)
 
-    def _position(self, epoch, step):
-        """`(epoch, step)` to resume from after `step` steps of `epoch`."""
-        return (epoch + 1, 0) if step >= self.params["steps"] else (epoch, step)
+    def _backup_after(self, epoch, step, logs):
+        """A backup after `step` steps of `epoch`. After its last step, the epoch's end work
+        (validation, epoch-end callbacks) is still to do: the backup resumes there, with
+        the epoch's training logs, so a chief lost during that work runs it on resume (it
+        resumed at the next epoch: the lost epoch had no validation, History entry or CSV
+        row). `on_epoch_end` then moves that backup to the next epoch's start (its marker:
+        the weights are the same; what epoch-end callbacks change in the model, such as a
+        learning rate, is saved by the next backup)."""
+        if step >= self.params["steps"]:
+            return self._backup(epoch, step, epoch_logs={
+                k: _jsonable(v) for k, v in (logs or {}).items()})
+        return self._backup(epoch, step)
 
     def on_epoch_end(self, epoch, logs=None):
         if self._history["epoch"][-1:] != [epoch]:  # Once, also when a failed backup is retried.
@@ -214,9 +220,23 @@ class BackupAndRestore(SyncCallback):
                 self._history["history"].setdefault(key, []).append(_jsonable(value))
         if self.sync_every is None:
             self._backup(epoch + 1, 0)
+        elif self._written is not None and self._written[:2] == (epoch, self.params["steps"]):
+            # The backup of the epoch's last step now resumes at the next epoch: its end work
+            # is done, not to be run again. No step ran since: the same weights, a new marker.
+            path, marker = self._written[2], checkpoint_files.read_marker(self._written[2])
+            checkpoint_files.republish(path, marker, epoch=epoch + 1, batch=0,
+                                       history=self._history, epoch_logs=None)
+            self._written = (epoch + 1, 0, path)
 
     def on_train_end(self, logs=None):
-        self._resume = None
+        resumed, self._resume = self._resume, None
+        if resumed is not None and self._skipped is None and isinstance(
+                getattr(self.model, "history", None), keras.callbacks.History):
+            # The History `fit` returns holds the epochs of the runs before the resume too,
+            # each once (Keras' holds this run's only).
+            self.model.history.epoch = list(self._history["epoch"])
+            self.model.history.history = {
+                key: list(values) for key, values in self._history["history"].items()}
         if self._skipped is not None:
             self.model.history = _history_object(self.model, self._history)
         elif self.fit_id is not None:
@@ -239,6 +259,7 @@ class BackupAndRestore(SyncCallback):
         tf.io.gfile.makedirs(self.backup_dir)
         self._sequence += 1
         path = self._path(self._sequence)
+        self._written = (epoch, step, path)
         iteration = checkpoint_files.training_step(self.model)
         with job_monitor().timed("backup", f"backup of step {iteration} written to {path}",
                                  step=iteration, epoch=epoch, batch=step):

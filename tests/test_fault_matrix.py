@@ -1,0 +1,282 @@
+"""The fault matrix: one fault at one phase of a real job, and the same invariants every time.
+
+Each cell runs the job below under `kfit-ps run --workers 2 --ps 2 --backup-dir`
+(a model with a variable sharded over both ps and unsharded ones; a first `fit`
+with shipped validation, `CSVLogger` and `EarlyStopping`; a second `fit` whose
+validation the workers read in shards; then `evaluate` and `predict`). The job
+announces its phases ("PHASE <name>") and pauses 1.5 s at the cell's phase; the
+harness injects the cell's fault there. A SIGTERM ends the job with 143, and
+the harness reruns it, as an operator (or Kubernetes) would. Every cell then
+checks one set of invariants on what the job left:
+
+- each run ended 0, or 143 *with* a backup at the step it stopped (the stop
+  message names it); the last run ended 0;
+- `optimizer.iterations` within `[N, N + faults x steps_per_execution]`, and the
+  last epoch of each `fit` counted every one of its batches exactly once;
+- each `fit`'s History, and its CSV rows, hold each epoch exactly once;
+- `evaluate` and `predict` returned for every example;
+- nothing is left running, and the event log ends with `done`.
+
+`test_fault_matrix` prints the table (cell, result, seconds, what held); the same
+table is in docs/fault_tolerance.md.
+"""
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests import helpers
+from tests.test_launcher import Job
+
+EPOCHS, STEPS, SPE = (3, 2), (60, 40), 2
+TOTAL = EPOCHS[0] * STEPS[0] + EPOCHS[1] * STEPS[1]
+VALIDATION_ROWS = 320
+
+JOB = f"""
+import json, os, sys, time
+import numpy as np, keras, tensorflow as tf
+import kfit_ps
+from tests import helpers as h
+
+pause = os.environ.get("MATRIX_PAUSE", "")
+
+
+def phase(name):
+    print("PHASE " + name, flush=True)
+    if name == pause:
+        time.sleep(1.5)  # The harness injects its fault now.
+
+
+phase("start-up")
+strategy = kfit_ps.ParameterServerStrategy(
+    variable_partitioner=tf.distribute.experimental.partitioners.MinSizePartitioner(
+        min_shard_bytes=4096, max_shards=2))
+with strategy.scope():
+    ids = keras.Input((), dtype="int64", name="ids")
+    x = keras.Input((8,), name="x")
+    table = keras.layers.Embedding(2000, 16, name="table")  # sharded over both ps
+    hidden = keras.layers.Concatenate()([table(ids), x])
+    hidden = keras.layers.Dense(16, activation="relu")(hidden)
+    model = keras.Model({{"ids": ids, "x": x}}, keras.layers.Dense(1)(hidden))
+    model.compile("adam", "mse", metrics=[h.counting_metric()], steps_per_execution={SPE})
+
+
+def arrays(rows, seed):
+    rng = np.random.default_rng(seed)
+    features = {{"ids": rng.integers(0, 2000, rows), "x": rng.normal(size=(rows, 8)).astype("float32")}}
+    return features, features["x"].sum(axis=1, keepdims=True) + (features["ids"] % 7)[:, None] / 7
+
+
+def stream(context):
+    features, y = arrays(4096, 1)
+    return tf.data.Dataset.from_tensor_slices((features, y)).shuffle(4096).repeat().batch(32)
+
+
+vx, vy = arrays({VALIDATION_ROWS}, 2)
+
+
+class Phases(keras.callbacks.Callback):
+    def __init__(self, fit):
+        super().__init__()
+        self.fit, self.epoch, self.fitting = fit, 0, False
+
+    def on_train_begin(self, logs=None):
+        self.fitting = True
+
+    def on_train_end(self, logs=None):
+        self.fitting = False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if (self.fit, self.epoch, batch) == (1, 1, 20):
+            phase("training")
+        if (self.fit, self.epoch, batch) == (2, 0, 10):
+            phase("second-fit")
+
+    def on_test_batch_begin(self, batch, logs=None):
+        if self.fitting and (self.fit, self.epoch, batch) == (1, 1, 3):
+            phase("validation-shipped")
+        if self.fitting and (self.fit, self.epoch, batch) == (2, 0, 1):
+            phase("validation-workers")
+        if not self.fitting and batch == 2:
+            phase("evaluate")
+
+    def on_epoch_end(self, epoch, logs=None):
+        if (self.fit, epoch) == (1, 1):
+            phase("epoch-end")
+
+    def on_predict_batch_begin(self, batch, logs=None):
+        if batch == 2:
+            phase("predict")
+
+
+work = sys.argv[1]
+first = model.fit(kfit_ps.DatasetCreator(stream), epochs={EPOCHS[0]}, steps_per_epoch={STEPS[0]},
+                  validation_data=(vx, vy), validation_batch_size=8, verbose=0,
+                  callbacks=[Phases(1), keras.callbacks.CSVLogger(work + "/fit1.csv",
+                                                                   append=True),
+                             keras.callbacks.EarlyStopping("val_loss", patience=100)])
+val = tf.data.Dataset.from_tensor_slices((vx, vy)).batch(16)
+second = model.fit(kfit_ps.DatasetCreator(stream), epochs={EPOCHS[1]}, steps_per_epoch={STEPS[1]},
+                   validation_data=kfit_ps.shardable(val, num_shards=4), verbose=0,
+                   callbacks=[Phases(2), keras.callbacks.CSVLogger(work + "/fit2.csv",
+                                                                    append=True)])
+loss = model.evaluate(vx, vy, batch_size=8, verbose=0, callbacks=[Phases(3)])
+predictions = model.predict(vx, batch_size=8, verbose=0, callbacks=[Phases(3)])
+print("RESULT " + json.dumps({{
+    "iterations": int(model.optimizer.iterations.numpy()),
+    "epochs": [first.epoch, second.epoch],
+    "batches": [first.history["batches"][-1], second.history["batches"][-1]],
+    "val_loss": [len(first.history["val_loss"]), len(second.history["val_loss"])],
+    "loss": float(loss[0]), "predictions": int(len(predictions)),
+}}), flush=True)
+"""
+
+
+def _scale(job, workers):
+    subprocess.run([sys.executable, "-m", "kfit_ps.cli.main", "scale", "--run-dir",
+                    str(job.run_dir), "--workers", str(workers)], check=True, timeout=60,
+                   capture_output=True, cwd=helpers.ROOT, env=helpers.chief_env())
+
+
+def _inject(job, fault):
+    """Injects `fault` into the running job; returns how many faults that counts as."""
+    tasks = job.tasks()
+    if fault == "SIGKILL worker":
+        os.kill(tasks["worker:0"], signal.SIGKILL)
+    elif fault == "SIGKILL ps":
+        os.kill(tasks["ps:1"], signal.SIGKILL)
+    elif fault == "SIGKILL chief":
+        os.kill(tasks["chief:0"], signal.SIGKILL)
+    elif fault == "SIGTERM launcher":
+        job.proc.send_signal(signal.SIGTERM)
+    elif fault == "SIGTERM group":
+        os.killpg(job.proc.pid, signal.SIGTERM)
+    elif fault == "SIGSTOP worker":
+        os.kill(tasks["worker:1"], signal.SIGSTOP)
+    elif fault == "worker loss, SIGTERM 2 s later":
+        os.kill(tasks["worker:0"], signal.SIGKILL)
+        time.sleep(2.0)
+        job.proc.send_signal(signal.SIGTERM)
+        return 2
+    elif fault == "scale 2-3-2":
+        _scale(job, 3)
+        _scale(job, 2)
+    else:
+        raise ValueError(fault)
+    return 1
+
+
+def _flags(backup):
+    return ("--workers", "2", "--ps", "2", "--backup-dir", str(backup), "--save-freq", "20",
+            "--grace", "30", "--liveness-timeout", "4", "--max-restarts", "3")
+
+
+def run_cell(tmp_path, phase, fault):
+    """Runs one cell; returns (statuses, faults, result, job runs)."""
+    backup = tmp_path / "backup"
+    work = tmp_path / "work"
+    work.mkdir()
+    statuses, runs, faults = [], [], 0
+    (tmp_path / "run1").mkdir()
+    job = Job(tmp_path / "run1", *_flags(backup), script=JOB, script_args=(work,),
+              env={"MATRIX_PAUSE": phase})
+    runs.append(job)
+    with job.running():
+        job.read_until(lambda line: line.startswith(f"[chief] PHASE {phase}"), timeout=300)
+        faults += _inject(job, fault)
+        statuses.append(job.finish(timeout=400))
+    if statuses[-1] == 143:  # Stopped with a backup: the operator runs the job again.
+        (tmp_path / "run2").mkdir()
+        again = Job(tmp_path / "run2", *_flags(backup), script=JOB, script_args=(work,))
+        runs.append(again)
+        with again.running():
+            statuses.append(again.finish(timeout=400))
+    return statuses, faults, runs, work
+
+
+def check(statuses, faults, runs, work):
+    """The invariants every cell holds (module doc); returns what held, for the table."""
+    held = []
+    for run, status in zip(runs, statuses):
+        output = "\n".join(run.lines)
+        assert status in (0, 143), output[-4000:]
+        if status == 143:
+            stopped = [line for line in run.lines if "fit stopped on SIGTERM after step" in line]
+            assert len(stopped) == 1 and "a backup of them was written" in stopped[0], \
+                output[-4000:]
+            held.append("143 with a backup")
+        assert "GRPC error information" not in output
+        assert run.left_running() == []
+    assert statuses[-1] == 0
+    result = runs[-1].result()
+    assert TOTAL <= result["iterations"] <= TOTAL + faults * SPE, (result, faults)
+    held.append(f"iterations {result['iterations']}")
+    assert result["epochs"] == [list(range(EPOCHS[0])), list(range(EPOCHS[1]))], result
+    assert result["batches"] == [float(STEPS[0]), float(STEPS[1])], result
+    assert result["val_loss"] == list(EPOCHS), result
+    held.append("History once")
+    for name, epochs in (("fit1.csv", EPOCHS[0]), ("fit2.csv", EPOCHS[1])):
+        with open(work / name) as f:
+            rows = [row["epoch"] for row in csv.DictReader(f) if row.get("epoch") != "epoch"]
+        assert rows == [str(e) for e in range(epochs)], (name, rows)
+    held.append("CSV rows once")
+    assert result["predictions"] == VALIDATION_ROWS and result["loss"] == result["loss"]
+    from kfit_ps.observe import events
+
+    log = events.read(str(runs[-1].run_dir / "events.jsonl"))
+    assert log[-1]["event"] == "done" and log[-1]["status"] == 0, log[-3:]
+    kinds = [e["event"] for run in runs
+             for e in events.read(str(run.run_dir / "events.jsonl"))]
+    how = [f"{kinds.count(kind)} {kind}" for kind in ("ps_restored", "job_restart", "resumed")
+           if kind in kinds]  # In place, or the named fallback (a job restart, a resume).
+    return ", ".join(held + how)
+
+
+CELLS = [
+    ("start-up", "SIGKILL ps"),
+    ("training", "SIGKILL worker"),
+    ("training", "SIGSTOP worker"),
+    ("training", "worker loss, SIGTERM 2 s later"),
+    ("validation-shipped", "SIGTERM group"),
+    ("validation-shipped", "SIGKILL ps"),
+    ("validation-workers", "SIGKILL worker"),
+    ("epoch-end", "SIGKILL chief"),
+    ("epoch-end", "SIGKILL ps"),
+    ("second-fit", "SIGTERM launcher"),
+    ("second-fit", "scale 2-3-2"),
+    ("evaluate", "SIGKILL worker"),
+    ("predict", "SIGKILL ps"),
+]
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+def test_fault_matrix(tmp_path):
+    only = os.environ.get("KFIT_PS_MATRIX_CELLS")  # "3,5": run those cells (debugging)
+    cells = [CELLS[int(i)] for i in only.split(",")] if only else CELLS
+    table, failures = [], []
+    for number, (phase, fault) in enumerate(cells):
+        cell = tmp_path / f"cell{number}"
+        cell.mkdir()
+        started = time.monotonic()
+        try:
+            statuses, faults, runs, work = run_cell(cell, phase, fault)
+            held = check(statuses, faults, runs, work)
+            outcome = "holds"
+        except Exception as e:  # noqa: BLE001 - every cell runs; the failures are listed
+            held, outcome = f"{type(e).__name__}: {str(e)[:300]}", "FAILS"
+            failures.append((phase, fault, held))
+        table.append(f"| {phase} | {fault} | {outcome} | {time.monotonic() - started:.0f} s | "
+                     f"{held} |")
+    print("\n| phase | fault | result | seconds | checked |\n| --- | --- | --- | --- | --- |\n"
+          + "\n".join(table))
+    assert not failures, "\n".join(map(str, failures))
