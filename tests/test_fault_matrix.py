@@ -170,6 +170,16 @@ def _inject(job, fault):
     elif fault == "scale 2-3-2":
         _scale(job, 3)
         _scale(job, 2)
+    elif fault == "SIGKILL ps, then a worker during its restore":
+        os.kill(tasks["ps:1"], signal.SIGKILL)
+        job.read_until(lambda line: "ps:1 is back" in line)  # The chief restores it now.
+        os.kill(tasks["worker:0"], signal.SIGKILL)
+        return 2
+    elif fault == "scale to 3, SIGKILL a worker while it joins":
+        _scale(job, 3)
+        job.read_until(lambda line: "new worker(s) serve" in line, timeout=120)
+        os.kill(tasks["worker:0"], signal.SIGKILL)
+        return 1
     else:
         raise ValueError(fault)
     return 1
@@ -253,6 +263,8 @@ CELLS = [
     ("epoch-end", "SIGKILL ps"),
     ("second-fit", "SIGTERM launcher"),
     ("second-fit", "scale 2-3-2"),
+    ("training", "SIGKILL ps, then a worker during its restore"),
+    ("second-fit", "scale to 3, SIGKILL a worker while it joins"),
     ("evaluate", "SIGKILL worker"),
     ("predict", "SIGKILL ps"),
 ]

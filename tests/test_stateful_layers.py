@@ -136,3 +136,27 @@ def test_batch_norm_on_one_worker_matches_single_process_keras():
     assert [name for name, _ in remote] == [name for name, _ in local] and len(local) == 7
     for (name, values), (_, remote_values) in zip(local, remote):
         np.testing.assert_allclose(remote_values, values, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_optimizer_moving_averages_keep_every_workers_update(strategy):
+    """`use_ema=True`: with the weight held at 5.0 (learning rate 0) and its average set to 0
+    after the first step, 200 steps on 2 workers average it 200 times (Keras' assign of
+    `m * average + (1 - m) * variable` loses the updates of concurrent workers)."""
+    from kfit_ps import _tf_compat
+
+    with strategy.scope():
+        inputs = keras.Input((1,))
+        model = keras.Model(inputs, keras.layers.Dense(
+            1, use_bias=False, kernel_initializer=keras.initializers.Constant(5.0))(inputs))
+        model.compile(optimizer=keras.optimizers.SGD(0.0, use_ema=True, ema_momentum=MOMENTUM),
+                      loss="mse")
+    data = kfit_ps.DatasetCreator(constant_dataset_fn())
+    model.fit(data, epochs=1, steps_per_epoch=1, verbose=0)  # the first step: average = weight
+    [(variable, average)] = _tf_compat.moving_average_pairs(model.optimizer)
+    average.assign(tf.zeros_like(average))
+    model.fit(data, epochs=1, steps_per_epoch=STEPS, verbose=0)
+    # At the end of `fit` the weight takes its average's value, as in Keras. Every update is
+    # kept; two computed from the same read both move the average a full step (a fraction of
+    # an update more than one after the other). Keras' assign kept about 150 of 200.
+    n = updates_toward(variable.numpy().ravel()[0], 0.0, 5.0)
+    assert STEPS - 0.5 < n < STEPS + 2, n

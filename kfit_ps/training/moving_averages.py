@@ -8,9 +8,10 @@ gradient step traces Keras' `apply` without them
 formulas here:
 
 - `update`: `average = m * average + (1 - m) * variable`, with
-  `m = ema_momentum`, except 0 on the first step (Keras' rule); each average
-  is updated on its own device, a sharded one shard by shard, so nothing
-  crosses the network;
+  `m = ema_momentum`, except 0 on the first step (Keras' rule), written as
+  `average -= (1 - m) * (average - variable)`, one atomic subtraction, so
+  concurrent workers' updates are all kept; each average is updated on its
+  own device, a sharded one shard by shard, so nothing crosses the network;
 - every `ema_overwrite_frequency` steps, each variable takes its average's
   value;
 - `finalize`: at the end of `fit`, each variable takes its average's value
@@ -45,8 +46,11 @@ def update(optimizer, step):
     for variable, average in _pairs(optimizer):
         with tf.device(average.device):
             momentum = tf.cast(not_first, average.dtype) * optimizer.ema_momentum
-            writes.append(average.assign(
-                momentum * average + (1 - momentum) * tf.convert_to_tensor(variable)))
+            # Keras' `m * average + (1 - m) * variable` as one in-place subtraction on the
+            # ps (`assign_sub` is atomic there): an update of another worker between the read
+            # and the write is kept, not overwritten (as BatchNormalization's statistics).
+            writes.append(average.assign_sub(
+                (1 - momentum) * (average - tf.convert_to_tensor(variable))))
     frequency = optimizer.ema_overwrite_frequency
     if not frequency:
         return
