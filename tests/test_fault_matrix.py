@@ -136,7 +136,8 @@ print("RESULT " + json.dumps({{
     "epochs": [first.epoch, second.epoch],
     "batches": [first.history["batches"][-1], second.history["batches"][-1]],
     "val_loss": [len(first.history["val_loss"]), len(second.history["val_loss"])],
-    "loss": float(loss[0]), "predictions": int(len(predictions)),
+    "loss": float(loss[0]), "eval_batches": float(loss[1]),
+    "predictions": int(len(predictions)),
 }}), flush=True)
 """
 
@@ -213,8 +214,9 @@ def run_cell(tmp_path, phase, fault):
     return statuses, faults, runs, work
 
 
-def check(statuses, faults, runs, work):
-    """The invariants every cell holds (module doc); returns what held, for the table."""
+def check(statuses, faults, runs, work, recovery=None):
+    """The invariants every cell holds (module doc), and the cell's `recovery` when it names
+    one (`ps_restored`: in place; `job_restart`: the named fallback); returns what held."""
     held = []
     for run, status in zip(runs, statuses):
         output = "\n".join(run.lines)
@@ -240,6 +242,7 @@ def check(statuses, faults, runs, work):
         assert rows == [str(e) for e in range(epochs)], (name, rows)
     held.append("CSV rows once")
     assert result["predictions"] == VALIDATION_ROWS and result["loss"] == result["loss"]
+    assert result["eval_batches"] == VALIDATION_ROWS / 8  # every evaluate batch once
     from kfit_ps.observe import events
 
     log = events.read(str(runs[-1].run_dir / "events.jsonl"))
@@ -248,41 +251,48 @@ def check(statuses, faults, runs, work):
              for e in events.read(str(run.run_dir / "events.jsonl"))]
     how = [f"{kinds.count(kind)} {kind}" for kind in ("ps_restored", "job_restart", "resumed")
            if kind in kinds]  # In place, or the named fallback (a job restart, a resume).
+    if recovery == "ps_restored":
+        assert "ps_restored" in kinds and "job_restart" not in kinds, kinds
+    elif recovery is not None:
+        assert recovery in kinds, kinds
     return ", ".join(held + how)
 
 
+# (phase, fault, the recovery the cell requires, if any: "ps_restored" in place and no job
+# restart; "job_restart" the named fallback; "resumed" a fit resumed from a backup).
 CELLS = [
-    ("start-up", "SIGKILL ps"),
-    ("training", "SIGKILL worker"),
-    ("training", "SIGSTOP worker"),
-    ("training", "worker loss, SIGTERM 2 s later"),
-    ("validation-shipped", "SIGTERM group"),
-    ("validation-shipped", "SIGKILL ps"),
-    ("validation-workers", "SIGKILL worker"),
-    ("epoch-end", "SIGKILL chief"),
-    ("epoch-end", "SIGKILL ps"),
-    ("second-fit", "SIGTERM launcher"),
-    ("second-fit", "scale 2-3-2"),
-    ("training", "SIGKILL ps, then a worker during its restore"),
-    ("second-fit", "scale to 3, SIGKILL a worker while it joins"),
-    ("evaluate", "SIGKILL worker"),
-    ("predict", "SIGKILL ps"),
+    ("start-up", "SIGKILL ps", None),
+    ("training", "SIGKILL worker", None),
+    ("training", "SIGSTOP worker", None),
+    ("training", "worker loss, SIGTERM 2 s later", "resumed"),
+    ("validation-shipped", "SIGTERM group", "resumed"),
+    ("validation-shipped", "SIGKILL ps", "ps_restored"),
+    ("validation-workers", "SIGKILL worker", None),
+    ("epoch-end", "SIGKILL chief", "job_restart"),
+    ("epoch-end", "SIGKILL ps", "ps_restored"),
+    ("second-fit", "SIGTERM launcher", "resumed"),
+    ("second-fit", "scale 2-3-2", None),
+    ("training", "SIGKILL ps, then a worker during its restore", None),
+    ("second-fit", "scale to 3, SIGKILL a worker while it joins", None),
+    ("evaluate", "SIGKILL worker", None),
+    ("predict", "SIGKILL ps", "job_restart"),  # Outside fit: no in-place restore.
 ]
 
 
 @pytest.mark.chaos
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 15 cells of 20-40 s each; a stuck cell fails on its own bounds
 def test_fault_matrix(tmp_path):
     only = os.environ.get("KFIT_PS_MATRIX_CELLS")  # "3,5": run those cells (debugging)
     cells = [CELLS[int(i)] for i in only.split(",")] if only else CELLS
     table, failures = [], []
-    for number, (phase, fault) in enumerate(cells):
+    for number, (phase, fault, recovery) in enumerate(cells):
         cell = tmp_path / f"cell{number}"
         cell.mkdir()
         started = time.monotonic()
         try:
             statuses, faults, runs, work = run_cell(cell, phase, fault)
-            held = check(statuses, faults, runs, work)
+            held = check(statuses, faults, runs, work, recovery)
             outcome = "holds"
         except Exception as e:  # noqa: BLE001 - every cell runs; the failures are listed
             held, outcome = f"{type(e).__name__}: {str(e)[:300]}", "FAILS"

@@ -276,3 +276,45 @@ def test_a_backup_whose_write_never_finished_is_skipped(strategy, tmp_path):
     history = fresh.fit(data, epochs=3, steps_per_epoch=5, verbose=0, callbacks=[
         kfit_ps.callbacks.BackupAndRestore(str(backup_dir), save_freq=3)])
     assert history.epoch == [0, 1, 2] and int(fresh.optimizer.iterations.numpy()) == 15
+
+
+def test_a_fit_resumed_at_an_epoch_end_moves_that_backup_to_the_next_epoch(strategy, tmp_path):
+    """A backup of an epoch's last step (a stop during its validation) resumes at the epoch's
+    end work with its training logs; once that work is done in the resumed run, the backup's
+    marker moves to the next epoch, so a later loss does not run that work again."""
+    model, data = model_and_data(strategy, optimizer="adam")
+    model.fit(data, epochs=1, steps_per_epoch=5, verbose=0)  # built, 5 steps trained
+    backup_dir = str(tmp_path / "backup")
+
+    def callback():
+        backup = kfit_ps.callbacks.BackupAndRestore(backup_dir, save_freq=5,
+                                                    delete_checkpoint=False)
+        backup.set_model(model)
+        backup.set_params({"epochs": 2, "steps": 5})
+        backup.on_train_begin()
+        return backup
+
+    path = callback().on_train_preempt(0, 5, {"loss": 1.5})
+    resumed = callback()
+    assert resumed.resume_position() == (0, 5) and resumed.resume_logs() == {"loss": 1.5}
+    resumed.on_epoch_end(0, {"loss": 1.5, "val_loss": 2.5})
+    marker = json.loads(open(path + ".kfit_ps.json").read())
+    assert (marker["epoch"], marker["batch"], marker["step"]) == (1, 0, 5), marker
+    assert marker["history"] == {"epoch": [0], "history": {"loss": [1.5], "val_loss": [2.5]}}
+    assert callback().resume_position() == (1, 0)
+
+
+def test_under_backup_dir_a_scripts_own_keras_backup_is_replaced_not_refused(
+        strategy, tmp_path, monkeypatch, capsys):
+    """`kfit-ps run --backup-dir`: Keras' BackupAndRestore with an integer `save_freq` (refused
+    on its own: it acts every N batches) is replaced by the launcher's before the callbacks
+    are checked, and the chief says so."""
+    from kfit_ps import constants
+
+    monkeypatch.setenv(constants.BACKUP_DIR_ENV, str(tmp_path / "launcher"))
+    monkeypatch.setenv(constants.BACKUP_FREQ_ENV, "5")
+    model, data = model_and_data(strategy)
+    own = keras.callbacks.BackupAndRestore(str(tmp_path / "own"), save_freq=10)
+    model.fit(data, epochs=1, steps_per_epoch=5, verbose=0, callbacks=[own])
+    assert "keras.callbacks.BackupAndRestore(" in capsys.readouterr().out
+    assert not (tmp_path / "own").exists() and (tmp_path / "launcher").exists()

@@ -2,6 +2,7 @@
 
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -140,23 +141,27 @@ def remove_backups(backup_dir):
         tf.io.gfile.rmtree(backup_dir)
 
 
+# A line end: "\r\n", "\n", or a "\r" that some other byte follows (a last "\r" waits to see
+# whether "\n" comes next).
+_CUT = re.compile(rb"\r\n|\n|\r(?=[^\n])")
+
+
 def _segments(stream):
     """What `stream` carries, cut after each newline *and* carriage return ("\r\n" is one
     cut): a progress bar redrawing its line with "\r" is copied (and prefixed) at each
-    redraw, not once its line ends."""
-    pending = b""
+    redraw, not once its line ends. Each byte is scanned once (a long line costs its
+    length, not its length squared)."""
+    pending, scanned = b"", 0
     while True:
         chunk = stream.read1(65536)
         if not chunk:
             break
         pending += chunk
         start = 0
-        for i, byte in enumerate(pending):
-            if byte == 0x0D and (i + 1 == len(pending) or pending[i + 1] == 0x0A):
-                continue  # "\r\n" ends one line; a last "\r" waits to see what follows.
-            if byte in (0x0A, 0x0D):
-                yield pending[start:i + 1]
-                start = i + 1
+        for cut in _CUT.finditer(pending, max(scanned - 1, 0)):
+            yield pending[start:cut.end()]
+            start = cut.end()
         pending = pending[start:]
+        scanned = len(pending)
     if pending:
         yield pending

@@ -71,10 +71,13 @@ class Dispatcher:
     """Runs windows of one `fit` (see the module doc)."""
 
     def __init__(self, model, strategy, train_for, callbacks, observe, workers, recovery,
-                 monitor, ledger=None):
+                 monitor, ledger=None, positional=False):
         self.model, self.strategy, self.train_for = model, strategy, train_for
         self.callbacks, self.observe, self.ledger = callbacks, observe, ledger
         self.workers, self.recovery, self.monitor = workers, recovery, monitor
+        # Each step reads a given batch (shipped epochs): after a cancel, training goes on
+        # from the first dropped function, as for the ledger's splits.
+        self.positional = positional or ledger is not None
         self.iterations = None  # `optimizer.iterations` after the last window, when needed
 
     def guarded(self, function, *args):
@@ -130,11 +133,12 @@ class Dispatcher:
             hooked = max(hooked, step + sum(sizes))
             dropped = scheduled.positions(cancelled)  # Not always the newest (module doc).
             accumulator.discard(cancelled)
-            if self.ledger is None:  # A stream: any step reads the next batch.
+            if not self.positional:  # A stream: any step reads the next batch.
                 step += sum(sizes) - sum(sizes[i] for i in dropped)
             else:  # Splits: on from the first dropped one (later ones run again, counted).
-                self.ledger.dispatched(step, sizes)
-                self.ledger.joined(dropped)
+                if self.ledger is not None:
+                    self.ledger.dispatched(step, sizes)
+                    self.ledger.joined(dropped)
                 step += sum(sizes[:dropped[0]]) if dropped else sum(sizes)
             if self.workers.pending(self.strategy) and not preemption.requested():
                 # A safe point: nothing in flight. The dropped steps run on the new workers.

@@ -193,8 +193,8 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                                  shuffle=False, training=False, arg="validation_data")
         evaluation = Evaluation(model, strategy, val_input, validation_steps,
                                  "validation_steps")
+    callbacks = with_launcher_backup(callbacks)  # First: a replaced callback is not checked.
     check_callbacks(callbacks)
-    callbacks = with_launcher_backup(callbacks)
     prepare(model, strategy, train_input.element_spec, "fit")
 
     monitor = job_monitor()
@@ -223,8 +223,9 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
     iterations = model.optimizer.iterations if model.optimizer is not None else None
     observe = functools.partial(monitor.expect, examples=inputs.static_batch_size(train_input))
     dispatcher = Dispatcher(model, strategy, train_for, callbacks, observe, workers,
-                            PsRecovery(model, strategy, callbacks.callbacks, ledger, monitor),
-                            monitor, ledger)
+                            PsRecovery(model, strategy, callbacks.callbacks, ledger, monitor,
+                                       shipped=shipped is not None),
+                            monitor, ledger, positional=shipped is not None)
 
     try:
         monitor.fit_begin(strategy, epochs, steps_per_epoch)
@@ -257,9 +258,10 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                 counter = lambda start=start: int(iterations.numpy()) - start  # noqa: E731
             progress.epoch_begin(epoch, counter)
             if shipped is not None:
-                shipped.begin_epoch(first)
                 args = shipped.args
-                if first and shipped.shuffles:
+                if first < steps_per_epoch:  # At the epoch's end: only its end work is left.
+                    shipped.begin_epoch(first)
+                if 0 < first < steps_per_epoch and shipped.shuffles:
                     _tf_compat.print_msg(
                         f"kfit_ps: resuming epoch {epoch + 1} at batch {first}: `x` shuffles, "
                         "so its remaining batches are drawn from a new pass (not the ones "
@@ -347,8 +349,9 @@ def _stop_preempted(sync, epoch, step, logs, steps_per_epoch, during=None):
              "resume." if backups else
              "but no backup was written (no kfit_ps.callbacks.BackupAndRestore, and no "
              "kfit-ps run --backup-dir): a rerun starts this fit over.")
-    where = (" during its validation (dropped: a resume runs it and the epoch-end callbacks)"
-             if during == "validation" else "")
+    where = (" during its validation (dropped" + (
+        ": a resume runs it and the epoch-end callbacks)" if backups else ")")
+        if during == "validation" else "")
     stopped = Preempted(
         f"fit stopped on SIGTERM after step {step} of epoch {epoch + 1} (of "
         f"{steps_per_epoch} steps){where}; every step scheduled was applied, {saved}")

@@ -49,8 +49,13 @@ def update(optimizer, step):
             # Keras' `m * average + (1 - m) * variable` as one in-place subtraction on the
             # ps (`assign_sub` is atomic there): an update of another worker between the read
             # and the write is kept, not overwritten (as BatchNormalization's statistics).
-            writes.append(average.assign_sub(
-                (1 - momentum) * (average - tf.convert_to_tensor(variable))))
+            # The first step assigns the variable (m = 0): several workers' first steps
+            # would otherwise each add the variable to the zero-initialised average.
+            writes.append(tf.cond(
+                not_first,
+                lambda a=average, v=variable, m=momentum: a.assign_sub(
+                    (1 - m) * (a - tf.convert_to_tensor(v))),
+                lambda a=average, v=variable: a.assign(tf.convert_to_tensor(v))))
     frequency = optimizer.ema_overwrite_frequency
     if not frequency:
         return

@@ -45,7 +45,7 @@ _RECONNECT_SECONDS = 60.0
 class PsRecovery:
     """In-place recovery of lost ps tasks for one `fit` (see the module doc)."""
 
-    def __init__(self, model, strategy, callbacks, ledger, monitor):
+    def __init__(self, model, strategy, callbacks, ledger, monitor, shipped=False):
         self.model, self.strategy, self.monitor = model, strategy, monitor
         self.backup = next((c for c in callbacks if isinstance(c, BackupAndRestore)), None)
         self.why_not = None
@@ -57,6 +57,8 @@ class PsRecovery:
             self.why_not = "DynamicEmbedding tables are not restored in place"
         elif ledger is not None:
             self.why_not = "one-pass epochs record their splits by position"
+        elif shipped:
+            self.why_not = "shipped one-pass epochs schedule their batches by position"
         self._iterations = model.optimizer.iterations if model.optimizer is not None else None
         self._recovered_at = None
         if self.why_not is not None and constants.ps_recovery_in_place():

@@ -186,6 +186,8 @@ class BackupAndRestore(SyncCallback):
             return
         self._restore(self._path(sequence), marker)
         self._resume = (marker["epoch"], marker["batch"])
+        # A resume at an epoch's end: that backup's marker moves on once the end work is done.
+        self._written = (marker["epoch"], marker["batch"], self._path(sequence))
         self._resume_logs = marker.get("epoch_logs")
 
     def resume_position(self):
@@ -223,10 +225,17 @@ class BackupAndRestore(SyncCallback):
         elif self._written is not None and self._written[:2] == (epoch, self.params["steps"]):
             # The backup of the epoch's last step now resumes at the next epoch: its end work
             # is done, not to be run again. No step ran since: the same weights, a new marker.
-            path, marker = self._written[2], checkpoint_files.read_marker(self._written[2])
-            checkpoint_files.republish(path, marker, epoch=epoch + 1, batch=0,
-                                       history=self._history, epoch_logs=None)
-            self._written = (epoch + 1, 0, path)
+            path = self._written[2]
+            try:
+                marker = checkpoint_files.read_marker(path)
+            except checkpoint_files.Unreadable:
+                marker = None
+            if marker is None:  # Damaged or gone since it was written: a new backup instead.
+                self._backup(epoch + 1, 0)
+            else:
+                checkpoint_files.republish(path, marker, epoch=epoch + 1, batch=0,
+                                           history=self._history, epoch_logs=None)
+                self._written = (epoch + 1, 0, path)
 
     def on_train_end(self, logs=None):
         resumed, self._resume = self._resume, None
