@@ -97,7 +97,9 @@ def test_dropout_masks_are_distinct_across_workers_and_steps(strategy):
 @pytest.mark.slow
 def test_batch_norm_on_one_worker_matches_single_process_keras():
     """With one worker the steps run one after another: the moving statistics (plain and
-    renorm) are Keras' own, to float error."""
+    renorm), a seeded Dropout's draws and the optimizer's moving averages (`use_ema`, which
+    become the weights at the end of `fit`) are Keras' own, to float error: the trained
+    weights match too."""
     result = helpers.run_chief("""
         rng = np.random.default_rng(0)
         x = rng.normal(2.0, 3.0, size=(480, 3)).astype("float32")
@@ -108,13 +110,15 @@ def test_batch_norm_on_one_worker_matches_single_process_keras():
             plain = keras.layers.BatchNormalization(momentum=0.9)(inputs)
             renorm = keras.layers.BatchNormalization(momentum=0.9, renorm=True,
                                                      renorm_momentum=0.8)(inputs)
-            model = keras.Model(inputs, keras.layers.Dense(1)(
-                keras.layers.Concatenate()([plain, renorm])))
-            model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+            joined = keras.layers.Dropout(0.5, seed=5)(keras.layers.Concatenate()([plain, renorm]))
+            model = keras.Model(inputs, keras.layers.Dense(1)(joined))
+            model.compile(optimizer=keras.optimizers.SGD(0.01, use_ema=True, ema_momentum=0.9),
+                          loss="mse")
             return model
 
         def statistics(model):
-            return [[v.name, v.numpy().tolist()] for v in model.non_trainable_variables]
+            return [[v.name, v.numpy().tolist()] for v in model.non_trainable_variables
+                    + model.trainable_variables]
 
         keras.utils.set_random_seed(1)
         local = build()
@@ -133,7 +137,7 @@ def test_batch_norm_on_one_worker_matches_single_process_keras():
         os._exit(0)
     """)
     local, remote = result["local"], result["remote"]
-    assert [name for name, _ in remote] == [name for name, _ in local] and len(local) == 7
+    assert [name for name, _ in remote] == [name for name, _ in local] and len(local) == 14
     for (name, values), (_, remote_values) in zip(local, remote):
         np.testing.assert_allclose(remote_values, values, rtol=1e-4, atol=1e-5, err_msg=name)
 
