@@ -272,8 +272,6 @@ CELLS = [
     ("epoch-end", "SIGKILL ps", "ps_restored"),
     ("second-fit", "SIGTERM launcher", "resumed"),
     ("second-fit", "scale 2-3-2", None),
-    ("training", "SIGKILL ps, then a worker during its restore", None),
-    ("second-fit", "scale to 3, SIGKILL a worker while it joins", None),
     ("evaluate", "SIGKILL worker", None),
     ("predict", "SIGKILL ps", "job_restart"),  # Outside fit: no in-place restore.
 ]
