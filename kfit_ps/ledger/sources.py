@@ -33,7 +33,12 @@ from kfit_ps import _tf_compat
 
 class NotIndexable(ValueError):
     """A finite dataset that workers cannot read by batch index (it shuffles, has no random
-    access, or uses state of the coordinator); `fit` can still read it on the coordinator."""
+    access, or uses state of the coordinator); `fit` can still read it on the coordinator.
+    `reason`: why, in a few words."""
+
+    def __init__(self, message, reason):
+        super().__init__(message)
+        self.reason = reason
 
 
 STREAM = "stream it: repeat it and pass `steps_per_epoch` (batches per epoch)."
@@ -209,14 +214,15 @@ def dataset_source(dataset, arg, build=None):
             "order, so splits would not hold the same examples everywhere. Received: a dataset "
             "with `shuffle` and steps_per_epoch=None. Remove `shuffle` (shuffle the source "
             "once, or pass numpy arrays with shuffle=True: they are shuffled every epoch), or "
-            f"{STREAM}")
+            f"{STREAM}", reason="it shuffles")
     state = _tf_compat.external_state(dataset) if build is None else None
     if state is not None:  # A copy sent to the workers would lack this process's state.
         raise NotIndexable(
             f"{prefix} `{arg}` uses state of this process (a variable a `map` reads, a Python "
             f"generator, a stateful op), so workers cannot build a copy of it: "
             f"TensorFlow says {state!r}. Build the pipeline in a DatasetCreator (each "
-            f"worker then makes its own), or {STREAM}")
+            f"worker then makes its own), or {STREAM}",
+            reason="it uses state of this process: a variable or a Python function")
     try:
         return DatasetSource(dataset, build)
     except (tf.errors.UnimplementedError, tf.errors.OutOfRangeError) as e:
@@ -225,4 +231,4 @@ def dataset_source(dataset, arg, build=None):
             f"{prefix} `{arg}` cannot be read by batch index: TensorFlow says {reason!r}. "
             f"Received: a dataset without random access and steps_per_epoch=None. Build it "
             f"from `range` or `from_tensor_slices` with `map` and `batch`, or "
-            f"{STREAM}") from None
+            f"{STREAM}", reason="it has no random access") from None

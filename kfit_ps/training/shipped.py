@@ -32,10 +32,9 @@ WINDOW = 64  # Steps between joins: bounds the batches kept on the coordinator.
 class ShippedEpochs:
     """The coordinator's pass over `dataset` in the current epoch (see the module doc)."""
 
-    def __init__(self, dataset, why):
+    def __init__(self, dataset):
         self.dataset = dataset
         self.num_batches = int(dataset.cardinality())
-        self.why = why
         self.shuffles = bool(_tf_compat.shuffle_ops(dataset))
         self._iterator, self._next, self._kept = None, 0, {}
 
@@ -70,22 +69,10 @@ def refusal_or_shipped(train_input, arg):
     except ledger.NotIndexable as refusal:
         if train_input.shippable is None:
             raise
-        why = str(refusal)
-    shipped = ShippedEpochs(train_input.shippable, why)
-    reason = refusal_reason(why)
+        reason = refusal.reason
+    shipped = ShippedEpochs(train_input.shippable)
     _tf_compat.print_msg(
         f"kfit_ps: `{arg}` is read on the coordinator and each batch shipped with its step "
         f"({reason}): one pass per epoch in the dataset's order, {shipped.num_batches} "
         "batches; the coordinator's reading bounds the speed.")
     return None, shipped
-
-
-def refusal_reason(message):
-    """The short reason in a `NotIndexable` message."""
-    for marker, reason in (("shuffles", "it shuffles"),
-                           ("uses state of this process",
-                            "it uses state of this process: a variable or a Python function"),
-                           ("cannot be read by batch index", "it has no random access")):
-        if marker in message:
-            return reason
-    return "workers cannot read it by index"
