@@ -56,7 +56,7 @@ def test_a_ps_restored_during_epoch_end_reruns_only_the_interrupted_callback(
     class RestoredInPlace:  # What `PsRecovery` does for the dispatcher, without a ps to lose.
         restored = 0
 
-        def __init__(self, *args):
+        def __init__(self, *args, **kwargs):
             pass
 
         def iterations(self):

@@ -1,8 +1,11 @@
 """What users run: the README's main job and the examples, as real processes."""
 
+import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -31,16 +34,20 @@ def foreign_lines(out):
 
 
 def run_and_watch(args, timeout=300, env=None):
-    """Runs a command, recording every kfit_ps server it or its children start; returns
-    (proc, out, pids)."""
+    """Runs a command in its own session, recording every kfit_ps server it or its children
+    start; returns (proc, out, pids). Fails, with the output and what was left running, if
+    it does not finish within `timeout` s or if something it started still holds its output
+    30 s after it exited (a side-car outliving a crashed parent); both are killed."""
     proc = helpers.popen(args, env=env or helpers.chief_env(), cwd=helpers.ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         start_new_session=True)
+    chunks = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(proc.stdout.readline, "")),
+                              daemon=True)
+    reader.start()
     pids = set()
     deadline = time.monotonic() + timeout
-    while proc.poll() is None:
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"{args} did not finish within {timeout} s")
+    while proc.poll() is None and time.monotonic() < deadline:
         try:
             pids.update(c.pid for c in psutil.Process(proc.pid).children(recursive=True)
                         if helpers.is_server(c))
@@ -50,8 +57,27 @@ def run_and_watch(args, timeout=300, env=None):
             proc.wait(timeout=0.5)
         except subprocess.TimeoutExpired:
             pass
-    out = proc.stdout.read()
-    return proc, out, sorted(pids)
+    finished = proc.poll() is not None
+    reader.join(30 if finished else 0)
+    if not finished or reader.is_alive():
+        left = [" ".join(p.cmdline()[:4]) for p in psutil.process_iter()
+                if _in_session(p, proc.pid)]
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        reader.join(10)
+        what = (f"exited {proc.returncode} but left running: {left}" if finished
+                else f"did not finish within {timeout} s (running: {left})")
+        pytest.fail(f"{args} {what}\n{''.join(chunks)[-4000:]}")
+    return proc, "".join(chunks), sorted(pids)
+
+
+def _in_session(process, sid):
+    try:
+        return os.getsid(process.pid) == sid
+    except OSError:
+        return False
 
 
 @pytest.mark.slow
