@@ -37,10 +37,11 @@ import random
 import statistics
 import sys
 import tempfile
-import threading
 import time
 
 import child_process
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -157,37 +158,17 @@ class _DataService:
 
 
 def _kill_workers(cluster, model, args, seed):
-    """Starts a thread that SIGKILLs `args.kills` training workers at seeded points."""
+    """`tests.chaos.WorkerKills` of `args.kills` training workers at seeded points."""
+    sys.path.insert(0, ROOT)
+    from tests import chaos
+
     rng = random.Random(seed)
     batches = -(-args.examples // args.batch_size)
     iterations = model.optimizer.iterations
     start = int(iterations.numpy())
-    points = sorted(rng.sample(range(batches // 20, batches - batches // 4), args.kills))
-    kills = []
-    up = [threading.Event() for _ in range(args.workers)]  # set while the worker serves
-    for event in up:
-        event.set()
-
-    def restart(task):
-        time.sleep(0.3)
-        cluster.restart("worker", task)
-        up[task].set()
-
-    def chaos():
-        for point in points:
-            while int(iterations.numpy()) - start < point:
-                time.sleep(0.01)
-            serving = [task for task in range(args.workers) if up[task].is_set()]
-            task = rng.choice(serving) if serving else rng.randrange(args.workers)
-            up[task].wait()  # never a worker still restarting
-            up[task].clear()
-            cluster.kill("worker", task)
-            kills.append(point)
-            threading.Thread(target=restart, args=(task,)).start()
-
-    thread = threading.Thread(target=chaos)
-    thread.start()
-    return thread, kills
+    points = chaos.kill_points(rng, batches // 20, batches - batches // 4, args.kills)
+    return chaos.WorkerKills(cluster, lambda: int(iterations.numpy()) - start, points, rng,
+                             workers=args.workers)
 
 
 def run_child(args):
@@ -231,13 +212,12 @@ def run_child(args):
                 data, steps = service.creator(arrays, args.batch_size, "killed"), (
                     batches + 4 * args.workers * SPE)
             model.counts.assign(tf.zeros([args.examples], tf.int32))
-            thread, kills = _kill_workers(cluster, model, args, args.seed)
-            start = time.perf_counter()
-            history = model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
-            seconds = [time.perf_counter() - start]
-            thread.join()
+            with _kill_workers(cluster, model, args, args.seed) as kills:
+                start = time.perf_counter()
+                history = model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
+                seconds = [time.perf_counter() - start]
             counts = model.counts.numpy()
-            result.update(kills=len(kills), lost=int((counts == 0).sum()),
+            result.update(kills=len(kills.kills), lost=int((counts == 0).sum()),
                           duplicated=int((counts > 1).sum()),
                           trained_twice_or_more=int((counts > 1).sum()))
             if name == "ledger_kills":

@@ -1,6 +1,9 @@
 """Small network checks shared by the cluster and training layers."""
 
 import socket
+import time
+
+POLL_SECONDS = 0.1  # How often `wait_for_servers` asks again.
 
 
 def accepts_connections(address, timeout=1.0):
@@ -11,6 +14,33 @@ def accepts_connections(address, timeout=1.0):
             return True
     except OSError:
         return False
+
+
+def wait_for_servers(servers, timeout, ready=None, on_first_wait=None,
+                     clock=time.monotonic, sleep=time.sleep):
+    """Waits until every server is ready; returns the names of those still not after
+    `timeout` seconds (an empty list once all are). The one wait for servers in kfit_ps.
+
+    Args:
+        servers: `(name, address)` pairs, e.g. `("ps:0", "host:2222")`.
+        timeout: seconds to wait at most; each server is asked every `POLL_SECONDS`.
+        ready: `ready(name, address)`, whether a server serves; it may raise to stop the
+            wait (a server process that exited). Defaults to `accepts_connections(address)`.
+        on_first_wait: called once with the names not ready at the first check, before
+            the first pause (to say what is waited for).
+    """
+    ready = ready or (lambda name, address: accepts_connections(address))
+    deadline, pending = clock() + timeout, list(servers)
+    while True:
+        pending = [(name, address) for name, address in pending if not ready(name, address)]
+        if not pending:
+            return []
+        if clock() > deadline:
+            return [name for name, _ in pending]
+        if on_first_wait is not None:
+            on_first_wait([name for name, _ in pending])
+            on_first_wait = None
+        sleep(POLL_SECONDS)
 
 
 def free_port(host):

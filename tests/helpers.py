@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -53,16 +52,14 @@ def free_port():
 
 def wait_listening(address, proc, timeout=90):
     """Waits until `address` accepts connections; fails if `proc` exits first."""
-    host, _, port = address.rpartition(":")
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection((host, int(port)), timeout=1).close()
-            return
-        except OSError:
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            time.sleep(0.2)
-    raise AssertionError(f"{address} never listened")
+    from kfit_ps import net
+
+    def ready(name, address):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        return net.accepts_connections(address)
+
+    assert not net.wait_for_servers([(address, address)], timeout, ready=ready), (
+        f"{address} never listened")
 
 
 _spawned = []

@@ -121,8 +121,8 @@ def test_a_dataset_workers_cannot_address_is_shipped_one_pass_per_epoch(model, c
 # failures, then one with 5 SIGKILLs of workers at seeded random points, each killed worker
 # restarted. The kills wait for training progress, so all 5 land inside the epoch.
 KILLED_EPOCH = """
-import random, threading
-from tests import helpers as h
+import random
+from tests import chaos, helpers as h
 
 N, BATCH, KILLS = 200_000, 256, 5
 (x, index), y = h.indexed_arrays(N)
@@ -140,45 +140,15 @@ with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
     batches = -(-N // BATCH)
     iterations = model.optimizer.iterations
     start = int(iterations.numpy())
-    points = sorted(rng.sample(range(40, batches - 200), KILLS))
-    kills = []
-    up = [threading.Event() for _ in range(2)]  # set while the worker serves
-    for event in up:
-        event.set()
-
-    def restart(task):
-        time.sleep(0.3)
-        cluster.restart("worker", task)
-        up[task].set()
-
-    restarts = []
-
-    def chaos():
-        for point in points:
-            while int(iterations.numpy()) - start < point:
-                time.sleep(0.01)
-            task = rng.randrange(2)
-            if not up[task].is_set():  # kill a serving worker, never one still restarting
-                task = 1 - task
-            up[task].wait()
-            time.sleep(rng.uniform(0, 0.05))
-            up[task].clear()
-            cluster.kill("worker", task)
-            kills.append((task, int(iterations.numpy()) - start))
-            restarts.append(threading.Thread(target=restart, args=(task,)))
-            restarts[-1].start()
-
-    thread = threading.Thread(target=chaos)
-    thread.start()
-    killed = model.fit(dataset, epochs=1, verbose=0).history
-    thread.join()
+    points = chaos.kill_points(rng, 40, batches - 200, KILLS)
+    with chaos.WorkerKills(cluster, lambda: int(iterations.numpy()) - start, points, rng,
+                           workers=2, jitter=0.05) as kills:
+        killed = model.fit(dataset, epochs=1, verbose=0).history
     counts = model.counts.numpy()
     report_ = kfit_ps.ledger.reports(model)[0]
     reruns = [[r.first_batch, r.batches, r.starts, r.examples] for r in report_.reruns]
-    for restarted in restarts:
-        restarted.join()
     report(clean=clean, clean_counts=np.bincount(clean_counts).tolist(), killed=killed,
-           counts=counts.tolist(), reruns=reruns, kills=kills, points=points,
+           counts=counts.tolist(), reruns=reruns, kills=kills.kills, points=points,
            lost=report_.lost, once=report_.trained_once, splits=report_.splits,
            pids=cluster.pids())
 os._exit(0)

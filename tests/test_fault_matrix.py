@@ -22,7 +22,6 @@ table is in docs/fault_tolerance.md.
 """
 
 import csv
-import json
 import os
 import signal
 import subprocess

@@ -45,6 +45,24 @@ def test_a_lost_ps_with_the_chief_running_restores_in_place_and_counts_against_i
         LaunchConfig(command=("x",), ps_recovery="later")
 
 
+def test_the_decisions_beside_a_task_exit_are_the_policys_and_cost_no_budget():
+    policy = RestartPolicy(ps_failure_grace=60.0)
+    assert policy.ps_recovery("in-place", local=True) == "in-place"
+    assert policy.ps_recovery("in-place", local=False) == "restart"  # a multi-host job
+    assert policy.ps_recovery("restart", local=True) == "restart"
+    assert policy.chief_overdue(59.9) is None
+    overdue = policy.chief_overdue(60.1)
+    assert overdue.action is Action.STOP_CHIEF and "within 60 s of the ps loss" in overdue.reason
+    gone = policy.chief_gone("host:2222")
+    assert gone.action is Action.RESTART_TASK and gone.delay == 0
+    assert "the chief (host:2222) went away" in gone.reason
+    wedged = policy.wedged("ps:1", 30)
+    assert wedged.action is Action.KILL_TASK
+    assert wedged.reason == ("ps:1 accepts connections but has not answered for 30 s "
+                             "(--liveness-timeout): killing it")
+    assert not policy.restarts and not policy.failures  # None of them counted.
+
+
 def test_restarts_back_off_and_are_limited_per_task():
     policy = RestartPolicy(max_restarts=3, backoff=1.0, max_backoff=3.0)
     delays = [decide(policy, "worker:0", -9).delay for _ in range(3)]

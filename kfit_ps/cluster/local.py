@@ -32,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import weakref
 
 from kfit_ps import constants, net, validation
@@ -385,24 +384,23 @@ class LocalCluster:
             return False
 
     def _wait_ready(self, tasks):
-        deadline = time.monotonic() + self._startup_timeout
-        pending = list(tasks)
-        while pending:
-            task_type, index = pending[0]
+        def ready(name, address):  # Its own line, then a connection; an exit ends the wait.
+            task_type, index = tasks[name]
             proc = self._proc(task_type, index)
             if proc.poll() is not None:
                 self._raise_exited(task_type, index, proc.returncode)
-            if self._announced_ready(task_type, index) and net.accepts_connections(
-                    self.config.address(task_type, index)):  # its own line, then a connection
-                pending.pop(0)
-                continue
-            if time.monotonic() > deadline:
-                raise ServerNotReady(
-                    f"LocalCluster: server {task_type}:{index} did not start serving within "
-                    f"{self._startup_timeout:.0f}s (set {constants.STARTUP_TIMEOUT_ENV} to wait "
-                    f"longer). Its log:\n{self.log_tail(task_type, index)}",
-                    task=f"{task_type}:{index}")
-            time.sleep(0.1)
+            return self._announced_ready(task_type, index) and net.accepts_connections(address)
+
+        tasks = {f"{t}:{i}": (t, i) for t, i in tasks}
+        missing = net.wait_for_servers(
+            [(name, self.config.address(*task)) for name, task in tasks.items()],
+            self._startup_timeout, ready=ready)
+        if missing:
+            task_type, index = tasks[missing[0]]
+            raise ServerNotReady(
+                f"LocalCluster: server {missing[0]} did not start serving within "
+                f"{self._startup_timeout:.0f}s (set {constants.STARTUP_TIMEOUT_ENV} to wait "
+                f"longer). Its log:\n{self.log_tail(task_type, index)}", task=missing[0])
 
     def _raise_exited(self, task_type, index, returncode):
         tail = self.log_tail(task_type, index)

@@ -10,6 +10,7 @@ keys, shards and initial vectors.
 
 from kfit_ps.embeddings import recording
 from kfit_ps.embeddings.layer import DynamicEmbedding
-from kfit_ps.embeddings.models import dynamic_layers, epoch_stats, prepare_training
+from kfit_ps.embeddings.models import dynamic_layers, epoch_stats, prepare_training, read_tables
 
-__all__ = ["DynamicEmbedding", "dynamic_layers", "epoch_stats", "prepare_training", "recording"]
+__all__ = ["DynamicEmbedding", "dynamic_layers", "epoch_stats", "prepare_training", "read_tables",
+           "recording"]

@@ -28,13 +28,16 @@ def prepare_training(model):
             layer.use_optimizer(model.optimizer)
 
 
-def epoch_stats(model):
-    """{"<layer>_rows": ..., "<layer>_admitted": ..., "<layer>_evicted": ...} for epoch logs."""
-    logs = {}
-    for layer in dynamic_layers(model):
-        if layer.table is None:
-            continue
-        stats = layer.stats()
-        for name in ("rows", "admitted", "evicted"):
-            logs[f"{layer.name}_{name}"] = float(stats[name])
-    return logs
+def read_tables(model):
+    """{layer name: `Table.shard_stats()`} of the model's built `DynamicEmbedding` tables,
+    read on their ps tasks once: the reading serves the epoch's logs (`epoch_stats`) and the
+    job's metrics (`training.monitor.table_stats`)."""
+    return {layer.name: layer.table.shard_stats() for layer in dynamic_layers(model)
+            if layer.table is not None}
+
+
+def epoch_stats(readings):
+    """{"<layer>_rows": ..., "<layer>_admitted": ..., "<layer>_evicted": ...} for epoch logs,
+    from `read_tables(model)`."""
+    return {f"{name}_{key}": float(sum(shard[key] for shard in shards))
+            for name, shards in readings.items() for key in ("rows", "admitted", "evicted")}

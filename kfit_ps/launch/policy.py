@@ -8,6 +8,13 @@
 | a ps, `--ps-recovery restart` | its variables are gone: let the chief stop (its `fit` raises `ParameterServerError`), then restart the job |
 | the chief, with a retry status (`exit_status.RETRY`: 75 `ClusterError`, 143 SIGTERM, 137 SIGKILL, 130 SIGINT, or killed by any signal), or after a ps was lost | restart the job: every server of this host and the chief, which resumes from its last backup |
 | the chief, any other status | the program failed: not retried (`FAIL` with its status) |
+| a ps lost, and the chief still runs `ps_failure_grace` s later | stop the chief (`STOP_CHIEF`); its exit restarts the job |
+| the chief that a host's ps tasks served went away (multi-host) | restart those ps tasks at once, not counted (`RESTART_TASK`): a ps never keeps a dead chief's variables |
+| a server accepts connections but has not answered for `--liveness-timeout` s | kill it (`KILL_TASK`); its exit is then decided on as above |
+| a server runs but did not start serving in time | kill it and restart it, counted (`not_ready`) |
+
+In-place ps recovery applies where this launcher runs the ps and the chief (a local
+job); a multi-host job restarts (`ps_recovery`).
 
 Restarting the ps tasks with the chief is deliberate: a ps keeps the variables a
 chief created for as long as it runs, so a ps that outlived five chiefs would hold
@@ -34,6 +41,8 @@ class Action(enum.Enum):
     RESTART_TASK = "restart task"
     RESTART_JOB = "restart job"
     WAIT_FOR_CHIEF = "wait for the chief"
+    STOP_CHIEF = "stop the chief"
+    KILL_TASK = "kill the task"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +57,9 @@ class RestartPolicy:
     """Decides on each `TaskExit`; counts restarts per task."""
 
     def __init__(self, max_restarts=3, backoff=1.0, max_backoff=30.0, healthy_period=600.0,
-                 clock=time.monotonic):
+                 ps_failure_grace=60.0, clock=time.monotonic):
         self.max_restarts, self.backoff, self.max_backoff = max_restarts, backoff, max_backoff
+        self.ps_failure_grace = ps_failure_grace
         self.healthy_period, self._clock = healthy_period, clock
         self.restarts = collections.Counter()  # failures counted against each task's budget
         self.failures = collections.Counter()  # every failure of each task, for tasks.json
@@ -84,6 +94,37 @@ class RestartPolicy:
         return Decision(action, delay=delay, reason=(
             f"{what or event.describe()}; {reason} (restart {count} of {self.max_restarts}, "
             f"in {delay:g} s)"))
+
+    @staticmethod
+    def ps_recovery(requested, local):
+        """The ps recovery a job runs: `requested` where this launcher runs the ps and the
+        chief (`local`); else "restart" (a multi-host job restarts)."""
+        return requested if local else "restart"
+
+    def chief_overdue(self, ps_lost_for):
+        """`STOP_CHIEF` once a ps has been lost `ps_lost_for` s and the chief still runs past
+        `ps_failure_grace` (its `fit` should have stopped by itself); else None."""
+        if ps_lost_for <= self.ps_failure_grace:
+            return None
+        return Decision(Action.STOP_CHIEF, reason=(
+            f"the chief did not stop within {self.ps_failure_grace:g} s of the ps loss; "
+            "stopping it"))
+
+    @staticmethod
+    def chief_gone(address):
+        """The chief this host's ps tasks served went away: restart them now, not counted
+        against their budget, so that its variables do not stay in their memory."""
+        return Decision(Action.RESTART_TASK, reason=(
+            f"the chief ({address}) went away: restarting this host's ps tasks so that its "
+            "variables do not stay in their memory"))
+
+    @staticmethod
+    def wedged(task, timeout):
+        """A server accepts connections but has not answered for `timeout` s: kill it (its
+        exit is then decided on like any other)."""
+        return Decision(Action.KILL_TASK, reason=(
+            f"{task} accepts connections but has not answered for {timeout:g} s "
+            "(--liveness-timeout): killing it"))
 
     def not_ready(self, task, log_tail=""):
         """A server of `task` runs but did not start serving in time: kill it, restart it."""

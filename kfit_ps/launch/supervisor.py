@@ -69,7 +69,8 @@ class Supervisor:
     def __init__(self, config, policy=None, out=None):
         self.config = config
         self.policy = policy or RestartPolicy(config.max_restarts, config.backoff,
-                                              config.max_backoff, config.healthy_period)
+                                              config.max_backoff, config.healthy_period,
+                                              config.ps_failure_grace)
         self.out = out or sys.stdout
         self.run_dir = config.run_dir or tempfile.mkdtemp(prefix="kfit_ps-run-")
         self.cluster = None
@@ -237,8 +238,8 @@ class Supervisor:
                 self._interruptible(self._scaler.poll, self.cluster, self._chief_runs()):
             self._write_tasks()
 
-    def _ps_recovery(self):  # In place only where this launcher runs the ps (local form).
-        return self.config.ps_recovery if self.config.tasks is None else "restart"
+    def _ps_recovery(self):
+        return self.policy.ps_recovery(self.config.ps_recovery, local=self.config.tasks is None)
 
     def _chief_runs(self):
         return self.chief is not None and self.chief.poll() is None
@@ -293,9 +294,9 @@ class Supervisor:
     def _stop_chief_if_ps_grace_passed(self):
         if self._ps_lost_at is None or self.chief is None or self.chief.poll() is not None:
             return
-        if time.monotonic() - self._ps_lost_at > self.config.ps_failure_grace:
-            self.say(f"the chief did not stop within {self.config.ps_failure_grace:g} s of "
-                     "the ps loss; stopping it")
+        decision = self.policy.chief_overdue(time.monotonic() - self._ps_lost_at)
+        if decision is not None:
+            self.say(decision.reason)
             self.chief.stop()
 
     def _restart_server(self, task):
@@ -318,8 +319,7 @@ class Supervisor:
         against their budget): a ps never keeps a dead chief's variables."""
         if self._chief_watch is None or not self._chief_watch.gone():
             return
-        self.say(f"the chief ({self._chief_watch.address}) went away: restarting this host's "
-                 "ps tasks so that its variables do not stay in their memory")
+        self.say(self.policy.chief_gone(self._chief_watch.address).reason)
         for task_type, index in self.cluster.server_tasks():
             task = f"{task_type}:{index}"
             if task_type == constants.PS and task not in self._due:
@@ -337,8 +337,7 @@ class Supervisor:
         servers = {f"{t}:{i}": (self.cluster.pid(t, i), self.cluster.config.address(t, i))
                    for t, i in self.cluster.server_tasks() if (t, i) not in exited}
         for task in self._liveness.wedged(servers):
-            self.say(f"{task} accepts connections but has not answered for "
-                     f"{self._liveness.timeout:g} s (--liveness-timeout): killing it")
+            self.say(self.policy.wedged(task, self._liveness.timeout).reason)
             task_type, index = task.split(":")
             self.view.restart_is_due(task, "wedged")
             self.cluster.kill(task_type, int(index))

@@ -13,7 +13,6 @@ It *is* a `tf.distribute.ParameterServerStrategy` (placement, partitioning,
 """
 
 import contextlib
-import time
 
 import tensorflow as tf
 
@@ -224,25 +223,22 @@ def wait_for_servers(spec, timeout):
     its ps host is back waits here instead, and, past the timeout, stops with a
     cluster error that `kfit-ps run` and Kubernetes retry.
     """
-    tasks = [(f"{t}:{i}", a) for t in (constants.WORKER, constants.PS)
-             for i, a in enumerate(spec[t])]
-    deadline, said = time.monotonic() + timeout, False
-    while True:
-        missing = [(task, a) for task, a in tasks if not net.accepts_connections(a)]
-        if not missing:
-            return
-        names = ", ".join(f"{task} ({a})" for task, a in missing)
-        if time.monotonic() > deadline:
-            raise ClusterError(
-                f"ParameterServerStrategy: {names} did not accept connections within "
-                f"{timeout:g} s, so the chief cannot connect to the cluster. Start those servers "
-                f"(kfit-ps run --tasks ...), or wait longer: set {constants.STARTUP_TIMEOUT_ENV}.",
-                tasks=[task for task, _ in missing])
-        if not said:
-            said = True
-            _tf_compat.print_msg(f"kfit_ps: waiting up to {timeout:g} s for {names} to accept "
-                               "connections")
-        time.sleep(0.5)
+    servers = [(f"{t}:{i}", a) for t in (constants.WORKER, constants.PS)
+               for i, a in enumerate(spec[t])]
+    where = dict(servers)
+
+    def names(tasks):
+        return ", ".join(f"{task} ({where[task]})" for task in tasks)
+
+    missing = net.wait_for_servers(servers, timeout, on_first_wait=lambda tasks: (
+        _tf_compat.print_msg(f"kfit_ps: waiting up to {timeout:g} s for {names(tasks)} to "
+                             "accept connections")))
+    if missing:
+        raise ClusterError(
+            f"ParameterServerStrategy: {names(missing)} did not accept connections within "
+            f"{timeout:g} s, so the chief cannot connect to the cluster. Start those servers "
+            f"(kfit-ps run --tasks ...), or wait longer: set {constants.STARTUP_TIMEOUT_ENV}.",
+            tasks=missing)
 
 
 def check_one_replica_per_worker(num_replicas):

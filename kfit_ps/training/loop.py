@@ -299,14 +299,15 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                                     during="validation")
                 logs.update({f"val_{k}": v for k, v in val_logs.items()})
             progress.epoch_end(logs)
-            logs.update(dispatcher.guarded(embeddings.epoch_stats, model))  # Dynamic tables.
+            readings = dispatcher.guarded(embeddings.read_tables, model)  # Dynamic tables.
+            logs.update(embeddings.epoch_stats(readings))
             if ledger is not None and step >= steps_per_epoch:
                 report = ledger.end_epoch()
                 if verbose and report.summary():  # Said aloud when a split re-ran.
                     _tf_compat.print_msg(report.summary())
                 logs.update(report.logs())
             monitor.epoch_end(epoch, logs)
-            monitor.tables(dispatcher.guarded(table_stats, model))
+            monitor.tables(table_stats(model, readings))
             _each_once(dispatcher, callbacks, "on_epoch_end", epoch, dict(logs))
             if model.stop_training:
                 break

@@ -336,10 +336,11 @@ def _ps_task(device):
     return None
 
 
-def table_stats(model):
+def table_stats(model, readings=None):
     """{ps task: {"rows", "admitted", "evicted"}} over the model's embedding tables: each
     shard of a sharded `Embedding` on its ps, and each shard of a `DynamicEmbedding`'s table
-    (rows held, and keys admitted and rows evicted since it was created, read on its ps)."""
+    (rows held, and keys admitted and rows evicted since it was created), from `readings`
+    (`embeddings.read_tables(model)`, read now when not given)."""
     import keras
 
     from kfit_ps import embeddings
@@ -351,10 +352,10 @@ def table_stats(model):
                 task = _ps_task(shard.device)
                 if task is not None:
                     stats[task]["rows"] += int(shard.shape[0])
-    for layer in embeddings.dynamic_layers(model):
-        if layer.table is None:
-            continue
-        for shard in layer.table.shard_stats():
+    if readings is None:
+        readings = embeddings.read_tables(model)
+    for shards in readings.values():
+        for shard in shards:
             task = _ps_task(shard["device"])
             if task is not None:
                 for key in ("rows", "admitted", "evicted"):

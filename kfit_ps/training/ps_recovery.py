@@ -39,6 +39,7 @@ from kfit_ps.training import cluster_health
 from kfit_ps.training.callbacks.backup_and_restore import BackupAndRestore
 
 
+_DRAIN_SECONDS = 60  # The functions in flight when a ps is lost end (failed) well within it.
 _RECONNECT_SECONDS = 60.0
 
 
@@ -80,7 +81,7 @@ class PsRecovery:
         del error  # Whatever it says: the probe below tells a lost ps from a failed program.
         if self.why_not is not None:
             return []
-        _tf_compat.ps_restore.drain(self.strategy.coordinator, time.monotonic() + 60)
+        _tf_compat.ps_restore.drain(self.strategy.coordinator, time.monotonic() + _DRAIN_SECONDS)
         lost = []
         for task in range(self.strategy.num_ps):
             variables = _tf_compat.ps_restore.variables_on(task)
@@ -101,13 +102,12 @@ class PsRecovery:
         path, marker = self.backup.newest_backup()
         if path is None:
             raise _impossible(tasks, "this fit has written no backup yet")
-        for task in tasks:
-            address = _tf_compat.ps_restore.ps_address(task)
-            while not net.accepts_connections(address):
-                if time.monotonic() > deadline:
-                    raise _impossible(tasks, f"ps:{task} ({address}) did not come back within "
-                                      f"{constants.startup_timeout():g} s")
-                time.sleep(0.2)
+        servers = [(f"ps:{task}", _tf_compat.ps_restore.ps_address(task)) for task in tasks]
+        missing = net.wait_for_servers(servers, deadline - time.monotonic())
+        if missing:
+            where = dict(servers)
+            raise _impossible(tasks, ", ".join(f"{name} ({where[name]})" for name in missing)
+                              + f" did not come back within {constants.startup_timeout():g} s")
         _tf_compat.ps_restore.reconnect(self.strategy.coordinator, deadline)
         recreated = [v for task in tasks for v in _tf_compat.ps_restore.variables_on(task)]
         for variable in recreated:

@@ -1,0 +1,66 @@
+"""Seeded worker kills during a fit: the one helper that tests and `bench/` use.
+
+`kill_serving_workers` SIGKILLs a serving training worker (never one still restarting)
+each time the job's progress reaches one of `points`, and restarts it shortly after, so
+the kills land inside the fit at places a seed fixes.
+"""
+
+import threading
+import time
+
+
+def kill_points(rng, low, high, count):
+    """`count` sorted distinct progress points in `[low, high)`, drawn from `rng`."""
+    return sorted(rng.sample(range(low, high), count))
+
+
+class WorkerKills:
+    """A thread that SIGKILLs a serving worker of `cluster` (a `LocalCluster`) when
+    `progress()` reaches each of `points`; the worker is restarted `restart_after` s later.
+
+    The worker is drawn from `rng` among those serving; `jitter` adds a random pause of up
+    to that many seconds before each kill. `kills` records `(task, progress)` of each kill.
+    Use as a context manager around the fit: on leaving, the thread and every restart are
+    joined.
+    """
+
+    def __init__(self, cluster, progress, points, rng, workers, jitter=0.0, restart_after=0.3):
+        self._cluster, self._progress, self.points = cluster, progress, list(points)
+        self._rng, self._workers, self._jitter = rng, workers, jitter
+        self._restart_after = restart_after
+        self.kills, self._restarts = [], []
+        self._up = [threading.Event() for _ in range(workers)]  # set while a worker serves
+        for event in self._up:
+            event.set()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, kind, *exc):
+        if kind is not None:  # The fit failed: its progress may never reach the next point.
+            return
+        self._thread.join()
+        for restart in self._restarts:
+            restart.join()
+
+    def _restart(self, task):
+        time.sleep(self._restart_after)
+        self._cluster.restart("worker", task)
+        self._up[task].set()
+
+    def _run(self):
+        for point in self.points:
+            while self._progress() < point:
+                time.sleep(0.01)
+            serving = [task for task in range(self._workers) if self._up[task].is_set()]
+            task = self._rng.choice(serving) if serving else self._rng.randrange(self._workers)
+            self._up[task].wait()  # never a worker still restarting
+            if self._jitter:
+                time.sleep(self._rng.uniform(0, self._jitter))
+            self._up[task].clear()
+            self._cluster.kill("worker", task)
+            self.kills.append((task, self._progress()))
+            self._restarts.append(threading.Thread(target=self._restart, args=(task,)))
+            self._restarts[-1].start()
