@@ -50,7 +50,7 @@ _TRAINING_NAMES = {
     "LocalCluster": "kfit_ps.cluster.local",
     "ParameterServerError": "kfit_ps.errors",
     "ParameterServerStrategy": "kfit_ps.strategy",
-    "SidecarEvaluator": "kfit_ps.training",
+    "SidecarEvaluator": "kfit_ps.evaluator",
     "WorkersLostError": "kfit_ps.errors",
     "export_saved_model": "kfit_ps.training",
     "job_cluster": "kfit_ps.cluster.job",

@@ -32,7 +32,7 @@ def prepare_training():
     if constants.launched():
         from kfit_ps._tf_compat import remove_autograph_files
         from kfit_ps.errors import exit_with_status_on_cluster_error
-        from kfit_ps.training import preemption
+        from kfit_ps.training.resilience import preemption
 
         exit_with_status_on_cluster_error(remove_autograph_files)
         preemption.install()

@@ -18,7 +18,7 @@ and `LocalCluster` passes the environment on to its servers.
 | `KFIT_PS_BACKUP_FREQ` | `epoch` | its `save_freq` (`epoch` or a number of steps) |
 | `KFIT_PS_RUN_DIR` | unset | set by `kfit-ps run` in the chief: the run directory (logs, `tasks.json`) |
 | `KFIT_PS_ISOLATED` | unset | set by `kfit-ps quickstart` / `kfit-ps run --isolated` in the private network namespace they re-execute in |
-| `KFIT_PS_PACKED_READ_MAX_BYTES` | `262144` | unsharded variables up to this size are fetched whole, in one packed transfer per ps, at the start of each step (`kfit_ps.training.transfers`); 0 turns packed reads off |
+| `KFIT_PS_PACKED_READ_MAX_BYTES` | `262144` | unsharded variables up to this size are fetched whole, in one packed transfer per ps, at the start of each step (`kfit_ps.training.step.transfers`); 0 turns packed reads off |
 | `KFIT_PS_SNAPSHOT_READ_MAX_BYTES` | `33554432` | in a sharded evaluation (worker-read, exact), variables up to this size, sharded ones included, are read whole once per evaluated shard, in one packed transfer per ps; larger ones keep their per-batch reads and lookups; 0 turns this off |
 | `KFIT_PS_METRIC_RESULTS_PENDING` | `1024` | finished functions' metric results the coordinator keeps before adding the oldest to its running sum (bounds its memory in long epochs) |
 | `KFIT_PS_TABLE_CHUNK_ROWS` | `65536` | rows of a dynamic table that saving (`save_weights`, `.keras`) fetches from a ps at a time, and loading sends at a time (`kfit_ps.embeddings`) |
@@ -35,7 +35,7 @@ and `LocalCluster` passes the environment on to its servers.
 | `KFIT_PS_EVENTS` | unset | the chief appends its events (JSON lines) to this local file; set by `kfit-ps run` to `events.jsonl` in the run directory |
 | `KFIT_PS_DIAGNOSIS_INTERVAL` | `3` | seconds between the chief's samples of per-worker steps and per-ps CPU (straggler and hot-ps diagnosis) |
 | `KFIT_PS_MONITOR` | `1` | `0`: the chief keeps no metrics, events or diagnosis (`kfit_ps.training.monitor`) |
-| `KFIT_PS_PS_RECOVERY` | `restart` | set by `kfit-ps run --ps-recovery` in the chief: `in-place` restores a lost ps' variables from the last backup in the same chief process (`kfit_ps.training.ps_recovery`); `restart`: `fit` raises `ParameterServerError` and the job restarts |
+| `KFIT_PS_PS_RECOVERY` | `restart` | set by `kfit-ps run --ps-recovery` in the chief: `in-place` restores a lost ps' variables from the last backup in the same chief process (`kfit_ps.training.resilience.ps_recovery`); `restart`: `fit` raises `ParameterServerError` and the job restarts |
 | `KFIT_PS_MEMBERSHIP` | unset | set by `kfit-ps run` in the chief: the directory where the launcher publishes the job's worker list (`kfit_ps.membership`); `fit` takes a new list at its next safe point |
 | `TF_CPP_MIN_LOG_LEVEL` | servers: `1` | TensorFlow's own C++ log filter (servers log to their files); set it to override |
 """

@@ -7,7 +7,7 @@ Files in one local directory (`RUN_DIR/membership`, named to the chief by
   `kfit_ps.scale`); the launcher takes the newest request and removes the rest.
 - `<generation>.json` + `.ready`: the launcher's worker list
   (`{"generation": g, "workers": ["host:port", ...]}`). Generations grow; the
-  chief applies the newest at its next safe point (`kfit_ps.training.elastic`).
+  chief applies the newest at its next safe point (`kfit_ps.training.resilience.elastic`).
 - `<generation>.applied`: the chief now trains on exactly that list. The
   launcher stops a removed worker only after this marker (or once the chief that
   could still use it is gone), so a worker is never stopped with a step in it.

@@ -192,7 +192,7 @@ def test_verbose_modes(strategy, capsys, verbose):
 
 def test_stock_keras_tensorboard_at_epoch_frequency(strategy, tmp_path):
     """TensorFlow 2.21 does not install TensorBoard; kfit_ps does, so Keras' callback works."""
-    from kfit_ps.training import summaries
+    from kfit_ps.training.callbacks import summaries
 
     model, data = model_and_data(strategy)
     model.fit(data, epochs=2, steps_per_epoch=4, verbose=0, validation_data=data,

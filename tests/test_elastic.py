@@ -238,7 +238,7 @@ def test_a_scale_flap_before_a_safe_point_is_not_a_stop(strategy, monkeypatch):
     ones finished. The dropped steps run again on the same workers: `fit` completes, every
     step counted once, and never reads the flap as a SIGTERM (it raised `Preempted`)."""
     import keras
-    from kfit_ps.training import elastic
+    from kfit_ps.training.resilience import elastic
 
     class Flap:  # The launcher's list as the chief reads it: new twice, then its own again.
         looks = 0

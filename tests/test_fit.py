@@ -66,7 +66,7 @@ def test_fit_learns_a_dataset_creators_spec_from_a_trace_not_an_eager_call(strat
 # 5: steps unrolled in one function; 12: a loop (functions.MAX_UNROLLED_STEPS is 10).
 @pytest.mark.parametrize("steps_per_execution", [1, 5, 12])
 def test_counts_are_exact(strategy, steps_per_execution):
-    assert 5 <= kfit_ps.training.functions.MAX_UNROLLED_STEPS < 12
+    assert 5 <= kfit_ps.training.step.functions.MAX_UNROLLED_STEPS < 12
     model = compiled_model(strategy, steps_per_execution=steps_per_execution)
     vx, vy = helpers.regression_arrays(rows=64)
     val = kfit_ps.DatasetCreator(helpers.regression_dataset_fn())
@@ -92,13 +92,13 @@ def test_metric_results_are_folded_during_the_epoch_and_stay_exact(strategy, mon
     model = compiled_model(strategy, steps_per_execution=2,
                            metrics=lambda: [keras.metrics.MeanAbsoluteError(name="mae")])
     folded = []
-    stock_fold = kfit_ps.training.metric_state.Accumulator._fold_one
+    stock_fold = kfit_ps.training.step.metric_state.Accumulator._fold_one
 
     def counting_fold(self, remote):
         folded.append(len(self._pending))
         return stock_fold(self, remote)
 
-    monkeypatch.setattr(kfit_ps.training.metric_state.Accumulator, "_fold_one", counting_fold)
+    monkeypatch.setattr(kfit_ps.training.step.metric_state.Accumulator, "_fold_one", counting_fold)
     history = model.fit(kfit_ps.DatasetCreator(helpers.regression_dataset_fn()), epochs=2,
                         steps_per_epoch=41, verbose=0)
     assert history.history["batches"] == [41.0, 41.0]  # 21 functions per epoch, each once
@@ -197,7 +197,7 @@ def test_models_outside_kfit_keep_stock_keras(strategy):
     assert len(history.history["loss"]) == 2
     assert int(model.optimizer.iterations.numpy()) == 8
     assert model.train_function is not None and not isinstance(
-        model.train_function, kfit_ps.training.functions.ScheduledFunctions)
+        model.train_function, kfit_ps.training.step.functions.ScheduledFunctions)
     assert model.variables[0].value.device.endswith("CPU:0")
     assert "/job:ps" not in model.variables[0].value.device
 

@@ -351,7 +351,7 @@ def test_a_live_job_names_a_slowed_worker_renders_its_restart_and_serves_bounded
     output = "\n".join(job.lines)
     assert "[chief] kfit_ps: worker:1 is straggling" in output
     assert "status page http://127.0.0.1:" in output
-    from kfit_ps.training import summaries
+    from kfit_ps.training.callbacks import summaries
 
     scalars = {}
     for name in os.listdir(log_dir / "tasks"):

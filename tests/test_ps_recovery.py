@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 
-from kfit_ps.training import ps_recovery
+from kfit_ps.training.resilience import ps_recovery
 from tests import helpers
 from tests.test_launcher import Job
 from tests.test_observability import read_events

@@ -15,17 +15,19 @@ from tests import helpers
 PACKAGE = pathlib.Path(kfit_ps.__file__).parent
 
 # Which kfit_ps layers each layer may import. Layers point one way: cli -> launch and jobs ->
-# cluster and training -> strategy -> _tf_compat; the leaves below may be used by any layer.
+# cluster and training -> strategy -> _tf_compat (the side-car `evaluator` reads checkpoints
+# with training's inputs and files); the leaves below may be used by any layer.
 # `observe` (metrics, events, diagnosis; no TensorFlow) serves the launcher and the chief.
 LEAVES = {"constants", "validation", "net", "errors", "membership"}
 ALLOWED = {
-    "cli": {"launch", "cluster", "training", "strategy", "jobs", "_tf_compat", "_setup"}
-    | LEAVES,
+    "cli": {"launch", "cluster", "training", "evaluator", "strategy", "jobs", "_tf_compat",
+            "_setup"} | LEAVES,
     "launch": {"launch", "cluster", "_tf_log_filter", "observe"} | LEAVES,
     "jobs": {"cluster", "training", "strategy", "data"} | LEAVES,
     "data": set(),
     "training": {"strategy", "_tf_compat", "training", "embeddings", "ledger", "observe"}
     | LEAVES,
+    "evaluator": {"evaluator", "training", "strategy", "_tf_compat"} | LEAVES,
     "cluster": {"cluster", "_tf_compat"} | LEAVES,
     "strategy": {"_tf_compat", "strategy"} | LEAVES,
     "_tf_compat": {"_tf_compat"},

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import kfit_ps
-from kfit_ps.training import checkpoint_files
+from kfit_ps.training.callbacks import checkpoint_files
 from tests import helpers
 
 

@@ -79,7 +79,7 @@ def test_a_shard_loops_over_its_batches_in_the_functions_own_graph(strategy):
     import tensorflow as tf
 
     import kfit_ps
-    from kfit_ps.training import functions
+    from kfit_ps.training.step import functions
 
     _, _, dataset = _data()
     model = _model(strategy)
@@ -137,7 +137,7 @@ def test_sharded_tables_are_read_once_per_shard_and_evaluate_exactly(cluster, mo
 
     import kfit_ps
     from kfit_ps import constants
-    from kfit_ps.training import transfers
+    from kfit_ps.training.step import transfers
 
     strategy = kfit_ps.ParameterServerStrategy(
         cluster.cluster_resolver,

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import kfit_ps
-from kfit_ps.training import summaries
+from kfit_ps.training.callbacks import summaries
 from tests import helpers
 
 

@@ -9,7 +9,7 @@ import pytest
 
 import kfit_ps
 from kfit_ps import _tf_compat
-from kfit_ps.training import summaries
+from kfit_ps.training.callbacks import summaries
 from tests import helpers
 
 

@@ -3,7 +3,7 @@
 import numpy as np
 
 from kfit_ps import constants
-from kfit_ps.training import transfers
+from kfit_ps.training.step import transfers
 
 PS1 = "/job:ps/replica:0/task:1/device:CPU:0"
 

@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 import kfit_ps
-from kfit_ps.training import inputs, scheduling
+from kfit_ps.training.inputs import adapters, scheduling
 from tests import helpers
 
 
@@ -34,7 +34,7 @@ def test_cpu_workers_iterate_their_own_pipeline(strategy, given):
     dataset_fn = helpers.regression_dataset_fn()
     data = (kfit_ps.DatasetCreator(dataset_fn) if given == "creator"
             else dataset_fn(tf.distribute.InputContext()))
-    iterator = scheduling.per_worker_iterator(strategy, inputs.adapt(data, training=True))
+    iterator = scheduling.per_worker_iterator(strategy, adapters.adapt(data, training=True))
     kind = _iterator_kind(strategy, iterator)
     assert isinstance(kind, tf.data.Iterator)
     assert not isinstance(kind, tf.distribute.DistributedIterator)
@@ -43,7 +43,7 @@ def test_cpu_workers_iterate_their_own_pipeline(strategy, given):
 def test_input_options_keep_tensorflows_distributed_iterator(strategy):
     creator = kfit_ps.DatasetCreator(helpers.regression_dataset_fn(),
                                      input_options=tf.distribute.InputOptions())
-    iterator = scheduling.per_worker_iterator(strategy, inputs.adapt(creator, training=True))
+    iterator = scheduling.per_worker_iterator(strategy, adapters.adapt(creator, training=True))
     assert isinstance(_iterator_kind(strategy, iterator), tf.distribute.DistributedIterator)
 
     model = _counting_model(strategy)

@@ -31,7 +31,7 @@ under a kfit_ps scope only:
    gather runs on the worker).
 
 5. **Dense optimizer updates and weight decay.** For optimizers without a
-   sparse path (`kfit_ps.training.sharded_updates`), the Keras optimizer's
+   sparse path (`kfit_ps.training.step.sharded_updates`), the Keras optimizer's
    own `apply` updates the whole sharded variable: its per-variable update
    and its weight decay skip `extended.update` (which needs a single device)
    for sharded variables; the decay runs shard by shard, on each shard's ps.
@@ -40,11 +40,11 @@ under a kfit_ps scope only:
    each gradient in the replica context before updating; with one replica
    per worker (kfit_ps refuses more) that is an identity, but its identity
    ops run on the worker, which would pull a gradient that
-   `kfit_ps.training.transfers` already moved to its ps back to the worker.
+   `kfit_ps.training.step.transfers` already moved to its ps back to the worker.
    For kfit_ps variables the gradients are passed on unchanged.
 
 Gradients with respect to a sharded variable are taken with respect to its
-shards (`shards(variable)`); see `kfit_ps.training.sharded_updates`.
+shards (`shards(variable)`); see `kfit_ps.training.step.sharded_updates`.
 """
 
 import functools

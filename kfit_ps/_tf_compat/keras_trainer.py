@@ -246,7 +246,7 @@ def keras_averages_off(optimizer):
 
     Keras 3.15 updates the averages, and overwrites the variables with them
     in a conditional, inside `_backend_apply_gradients` when `use_ema` is
-    set; kfit_ps' `training.moving_averages` does both after the whole step.
+    set; kfit_ps' `training.step.moving_averages` does both after the whole step.
     """
     saved = optimizer.use_ema
     optimizer.use_ema = False

@@ -3,7 +3,7 @@
 A ps that dies takes the variables it held with it; the chief's handles to them
 name resources of the dead process, and every traced function captured those
 handles. TensorFlow has no way back from that but a new chief. In place, once the
-ps runs again (`kfit_ps.training.ps_recovery` drives these steps):
+ps runs again (`kfit_ps.training.resilience.ps_recovery` drives these steps):
 
 1. `drain`: no scheduled function is left in flight (those that failed with the
    ps are reported as failed, the queued ones as cancelled);

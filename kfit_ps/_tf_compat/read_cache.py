@@ -3,7 +3,7 @@
 Inside a scheduled function every read of a variable on a ps is its own
 transfer (one gRPC call per variable per step). kfit_ps instead fetches the
 model's small variables in one packed transfer per ps
-(`kfit_ps.training.transfers`) and runs the forward pass in a
+(`kfit_ps.training.step.transfers`) and runs the forward pass in a
 `CachedReadScope`: Keras' `Variable.value` then returns the fetched tensor.
 A sharded variable's cached value is its whole value (a sharded evaluation's
 snapshot), and `ops.take` on it gathers from that value on the worker

@@ -154,7 +154,7 @@ def _cmd_evaluator(args, parser):
     if args.max_evaluations is not None:
         _require_positive(parser, ("--max-evaluations", args.max_evaluations))
     prepare_training()  # Before the user's modules load: they may build kfit_ps models.
-    from kfit_ps.training import SidecarEvaluator
+    from kfit_ps.evaluator import SidecarEvaluator
 
     model_fn = _load_callable(parser, "--model-fn", args.model_fn)
     data_fn = _load_callable(parser, "--data-fn", args.data_fn)

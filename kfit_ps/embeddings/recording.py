@@ -1,11 +1,11 @@
 """The lookups of one training step, recorded for its gradient step.
 
 A dynamic table's rows are not variables, so Keras' tape cannot see them. In
-kfit_ps' training step (`training.functions`) a `Recorder` is active: each
+kfit_ps' training step (`training.step.functions`) a `Recorder` is active: each
 `DynamicEmbedding` lookup hands it the rows it read (which the recorder has
 the step's tape watch), the keys and their counts; the gradient step then
 takes gradients with respect to those rows and sends them to the shards'
-ps tasks (`training.sharded_updates.GradientStep`).
+ps tasks (`training.step.sharded_updates.GradientStep`).
 """
 
 import dataclasses

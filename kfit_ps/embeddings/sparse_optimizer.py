@@ -1,6 +1,6 @@
 """Keras' optimizer `apply`, for the rows one step touched: the one update of every sparse table.
 
-kfit_ps' sharded variables (`training.sparse_updaters`) and dynamic tables
+kfit_ps' sharded variables (`training.step.sparse_updaters`) and dynamic tables
 (`embeddings.table`) both update only the rows a step touched, with those
 rows' optimizer slots (the *lazy* rule: untouched rows and slots do not move
 in that step). Both call `SparseOptimizer.apply`, which does what Keras'

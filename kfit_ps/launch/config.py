@@ -48,7 +48,7 @@ class LaunchConfig:
         ps_recovery: what a lost ps costs. `"in-place"`: the launcher restarts it
             and the chief restores its variables from the last backup in the same
             process, the other ps tasks keeping their state
-            (`kfit_ps.training.ps_recovery`; where that is impossible, the job
+            (`kfit_ps.training.resilience.ps_recovery`; where that is impossible, the job
             restarts). `"restart"`: the job restarts from the last backup.
             Defaults to "in-place".
     """

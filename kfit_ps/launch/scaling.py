@@ -5,7 +5,7 @@ The supervisor calls `Scaler.poll()` from its loop. A scale request
 
 - N > M: the launcher starts workers M..N-1 at new ports, waits until each
   serves, then publishes the new worker list; the chief takes them at its next
-  safe point (`kfit_ps.training.elastic`: within a second during `fit`).
+  safe point (`kfit_ps.training.resilience.elastic`: within a second during `fit`).
 - N < M: the launcher publishes the shorter list first and keeps workers
   N..M-1 running until the chief acknowledges it (it drains them: the functions
   they run finish, the queued ones go to the others), or until no chief could

@@ -15,7 +15,7 @@ decision; this module only carries it out:
   starts the chief again, which resumes from its last backup;
 - SIGTERM (a drain or preemption on Kubernetes) is forwarded to the chief,
   which finishes the steps in flight, writes a final backup and exits
-  (`kfit_ps.training.preemption`); after `grace` seconds it is killed. Then
+  (`kfit_ps.training.resilience.preemption`); after `grace` seconds it is killed. Then
   every server stops and the supervisor exits with `exit_status.PREEMPTED`.
   Ctrl-C stops everything within seconds. If the supervisor is killed, the
   servers (which watch it) and the chief (parent-death signal) follow.

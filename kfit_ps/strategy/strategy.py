@@ -170,7 +170,7 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         datasets (its iterator continues), a new one builds its own, a removed
         one is no longer used (stop its server afterwards). Call it with no
         function in flight: between `fit`s, or let `fit` call it at a safe point
-        (`kfit_ps.training.elastic`, what `kfit-ps scale` drives). The new workers
+        (`kfit_ps.training.resilience.elastic`, what `kfit-ps scale` drives). The new workers
         must accept connections. Returns the new `ClusterCoordinator`.
         """
         addresses = tuple(addresses)

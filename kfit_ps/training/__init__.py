@@ -1,11 +1,11 @@
 """The training layer: parameter-server `fit` / `evaluate` / `predict` for Keras 3."""
 
 from kfit_ps import _tf_compat
-from kfit_ps.training import cluster_health, loop, on_batch, user_errors
-from kfit_ps.training.dataset_creator import DatasetCreator
+from kfit_ps.training import loop, on_batch, user_errors
+from kfit_ps.training.resilience import cluster_health
+from kfit_ps.training.inputs.dataset_creator import DatasetCreator
 from kfit_ps.training.export import export_saved_model
-from kfit_ps.training.inputs import shardable
-from kfit_ps.training.sidecar_evaluator import Evaluation, SidecarEvaluator
+from kfit_ps.training.inputs.adapters import shardable
 
 
 def _handles(model):
@@ -43,5 +43,4 @@ def install():
     _tf_compat.install_load_weights_hook("kfit_ps", _handles, _build_optimizer_before_load)
 
 
-__all__ = ["DatasetCreator", "Evaluation", "SidecarEvaluator", "export_saved_model", "install",
-           "shardable"]
+__all__ = ["DatasetCreator", "export_saved_model", "install", "shardable"]

@@ -20,8 +20,8 @@ Batch hooks are called once per step however often a step is scheduled.
 import time
 
 from kfit_ps import _tf_compat
-from kfit_ps.training import cluster_health, preemption
-from kfit_ps.training.scheduling import schedule_steps
+from kfit_ps.training.resilience import cluster_health, preemption
+from kfit_ps.training.inputs.scheduling import schedule_steps
 
 
 _PRUNE_EVERY = 256  # open functions at which finished ones are looked for

@@ -1,7 +1,7 @@
 """Evaluation under parameter servers: shipped batches, per-worker steps, or exact shards.
 
 Shared by `evaluate` and `fit`'s validation. Which path runs follows from the
-input (`inputs.adapt`) and `steps`:
+input (`adapters.adapt`) and `steps`:
 
 - **Shipped** (numpy arrays, a finite `tf.data.Dataset`): the coordinator
   reads each batch and sends it with its function; exact and in order, but
@@ -26,9 +26,11 @@ import itertools
 
 import tensorflow as tf
 
-from kfit_ps.training import cluster_health, elastic, functions, inputs, metric_state
+from kfit_ps.training.inputs import adapters
+from kfit_ps.training.resilience import cluster_health, elastic
+from kfit_ps.training.step import functions, metric_state
 from kfit_ps.training.monitor import job_monitor
-from kfit_ps.training.scheduling import (metric_logs, per_worker_dataset,
+from kfit_ps.training.inputs.scheduling import (metric_logs, per_worker_dataset,
                                          per_worker_iterator, quiet_options_warning,
                                          schedule_steps)
 
@@ -42,7 +44,7 @@ class Evaluation:
 
     def __init__(self, model, strategy, eval_input, steps, arg):
         self.model, self.strategy, self.input = model, strategy, eval_input
-        worker_input = isinstance(eval_input, inputs.WorkerInput)
+        worker_input = isinstance(eval_input, adapters.WorkerInput)
         if worker_input and eval_input.sharded and steps is not None:
             raise ValueError(
                 f"`{arg}` cannot be combined with kfit_ps.shardable(...): a sharded "
@@ -50,13 +52,13 @@ class Evaluation:
                 f"Remove `{arg}`, or pass the dataset without kfit_ps.shardable to evaluate "
                 "its first batches.")
         self.sharded = worker_input and steps is None and eval_input.finite
-        self.steps = inputs.check_steps(
+        self.steps = adapters.check_steps(
             arg, steps, required_because=(
                 "for an infinite dataset (a DatasetCreator whose dataset repeats, or a "
                 "repeated tf.data.Dataset)" if worker_input and not self.sharded else None))
         self.num_shards = None
         if self.sharded:
-            self.num_shards = eval_input.num_shards or inputs.default_num_shards(
+            self.num_shards = eval_input.num_shards or adapters.default_num_shards(
                 strategy.num_workers)
         self._iterator = None
         self._dataset = self._policy = None
@@ -101,7 +103,7 @@ class Evaluation:
                 if shard < self.num_shards - 1:
                     callbacks.on_test_batch_end(shard, {})
             last = self.num_shards - 1
-        elif isinstance(self.input, inputs.WorkerInput):
+        elif isinstance(self.input, adapters.WorkerInput):
             if self._iterator is None:
                 self._iterator = per_worker_iterator(strategy, self.input)
             schedule_steps(coordinator, 0, self.steps, model.steps_per_execution, fns.test,

@@ -6,7 +6,7 @@ created under a kfit_ps strategy (see `kfit_ps.training.install`).
 Who owns what:
 
 - **Arguments** (`steps_per_epoch`, `steps`, `validation_steps`, input types):
-  validated here and in `inputs.adapt`, before anything is scheduled.
+  validated here and in `adapters.adapt`, before anything is scheduled.
 - **Model state**: built here, under the strategy scope, from the input's
   element spec (`prepare`), then checked to live on the ps tasks.
 - **Per-worker datasets**: created once per call with
@@ -18,7 +18,7 @@ Who owns what:
 - **Scheduling**: `ceil(steps / steps_per_execution)` functions per epoch
   (`functions.ScheduledFunctions`), each running on whichever worker is free.
 - **Workers**: fixed, unless the launcher publishes others (`kfit-ps scale`):
-  then `training.elastic` moves the coordinator to them at a safe point, and the
+  then `training.resilience.elastic` moves the coordinator to them at a safe point, and the
   steps dropped there are scheduled again.
 - **`join()`**: once per epoch, once per evaluation, and at each step where a
   `kfit_ps.callbacks.SyncCallback` asked for one (`callbacks.base.SyncPoints`);
@@ -46,14 +46,15 @@ from kfit_ps import _tf_compat, embeddings, validation
 import kfit_ps.ledger as data_ledger
 from kfit_ps.errors import Preempted, is_cluster_failure
 from kfit_ps.strategy import is_kfit_strategy
-from kfit_ps.training import (cluster_health, elastic, functions, inputs, metric_state,
-                              moving_averages, preemption, sharded_updates)
-from kfit_ps.training import shipped as shipping
+from kfit_ps.training.inputs import adapters
+from kfit_ps.training.resilience import cluster_health, elastic, preemption
+from kfit_ps.training.step import functions, metric_state, moving_averages, sharded_updates
+from kfit_ps.training.inputs import shipped as shipping
 from kfit_ps.training.monitor import job_monitor, table_stats
 from kfit_ps.training.evaluation import Evaluation, Stopped as ValidationStopped
 from kfit_ps.training.dispatch import Dispatcher
-from kfit_ps.training.ps_recovery import PsRecovery
-from kfit_ps.training.scheduling import metric_logs, per_worker_iterator
+from kfit_ps.training.resilience.ps_recovery import PsRecovery
+from kfit_ps.training.inputs.scheduling import metric_logs, per_worker_iterator
 from kfit_ps.training.callbacks.backup_and_restore import with_launcher_backup
 from kfit_ps.training.callbacks.base import SyncPoints
 from kfit_ps.training.callback_policy import check_callbacks
@@ -167,15 +168,15 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
         validation_batch_size=None, validation_freq=1):
     """Parameter-server `Model.fit`; same arguments and return value as Keras'."""
     strategy = strategy_for(model)
-    (x, y, sample_weight), validation_data = inputs.split_for_validation(
+    (x, y, sample_weight), validation_data = adapters.split_for_validation(
         x, y, sample_weight, validation_split, validation_data)
-    x, sample_weight = inputs.with_class_weight(x, y, sample_weight, class_weight)
+    x, sample_weight = adapters.with_class_weight(x, y, sample_weight, class_weight)
     epochs = validation.check_int("epochs", epochs, 0)
     initial_epoch = validation.check_int("initial_epoch", initial_epoch, 0)
     validation_freq = validation.check_int("validation_freq", validation_freq, 1)
     verbose = resolve_verbose(verbose)
 
-    train_input = inputs.adapt(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
+    train_input = adapters.adapt(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
                                training=True)
     source = shipped = None
     if steps_per_epoch is None and train_input.one_pass is not None:
@@ -183,13 +184,13 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
         # else an error saying why neither.
         source, shipped = shipping.refusal_or_shipped(train_input, "x")
         steps_per_epoch = (source if source is not None else shipped).num_batches
-    steps_per_epoch = inputs.check_steps(
+    steps_per_epoch = adapters.check_steps(
         "steps_per_epoch", steps_per_epoch,
         required_because="with a DatasetCreator or a tf.data.Dataset")
     evaluation = None
     if validation_data is not None:
         vx, vy, vw = _unpack_validation(validation_data)
-        val_input = inputs.adapt(vx, vy, vw, batch_size=validation_batch_size or batch_size,
+        val_input = adapters.adapt(vx, vy, vw, batch_size=validation_batch_size or batch_size,
                                  shuffle=False, training=False, arg="validation_data")
         evaluation = Evaluation(model, strategy, val_input, validation_steps,
                                  "validation_steps")
@@ -221,7 +222,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                       every=shipping.WINDOW if shipped is not None else None)
     progress = Progress(verbose, epochs, steps_per_epoch)
     iterations = model.optimizer.iterations if model.optimizer is not None else None
-    observe = functools.partial(monitor.expect, examples=inputs.static_batch_size(train_input))
+    observe = functools.partial(monitor.expect, examples=adapters.static_batch_size(train_input))
     dispatcher = Dispatcher(model, strategy, train_for, callbacks, observe, workers,
                             PsRecovery(model, strategy, callbacks.callbacks, ledger, monitor,
                                        shipped=shipped is not None),
@@ -370,7 +371,7 @@ def evaluate(model, x=None, y=None, batch_size=None, verbose="auto", sample_weig
         raise ValueError(f"Arguments not recognised by `evaluate`: {sorted(kwargs)}.")
     strategy = strategy_for(model)
     verbose = resolve_verbose(verbose)
-    eval_input = inputs.adapt(x, y, sample_weight, batch_size=batch_size, shuffle=False,
+    eval_input = adapters.adapt(x, y, sample_weight, batch_size=batch_size, shuffle=False,
                               training=False)
     evaluation = Evaluation(model, strategy, eval_input, steps, "steps")
     check_callbacks(callbacks)
@@ -396,15 +397,15 @@ def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=Non
     """
     strategy = strategy_for(model)
     verbose = resolve_verbose(verbose)
-    pred_input = inputs.adapt(x, batch_size=batch_size, shuffle=False, training=False)
+    pred_input = adapters.adapt(x, batch_size=batch_size, shuffle=False, training=False)
     if getattr(pred_input, "sharded", False):
         raise ValueError(
             "`predict` does not take kfit_ps.shardable(...): predictions come back in the "
             "data's order, so a finite dataset is read on the coordinator and shipped. "
             "Received: x=kfit_ps.shardable(...). Pass the dataset itself.")
-    steps = inputs.check_steps("steps", steps, required_because=(
+    steps = adapters.check_steps("steps", steps, required_because=(
         "for a DatasetCreator or an infinite dataset" if isinstance(
-            pred_input, inputs.WorkerInput) else None))
+            pred_input, adapters.WorkerInput) else None))
     check_callbacks(callbacks)
     prepare(model, strategy, pred_input.element_spec, "predict")
     coordinator = strategy.coordinator
@@ -416,7 +417,7 @@ def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=Non
     callbacks.on_predict_begin()
     progress.epoch_begin(0)
     results = []
-    if isinstance(pred_input, inputs.WorkerInput):
+    if isinstance(pred_input, adapters.WorkerInput):
         iterator = per_worker_iterator(strategy, pred_input)
         for step in range(steps):
             callbacks.on_predict_batch_begin(step)

@@ -218,8 +218,8 @@ class JobMonitor:
                 self.diagnosis.quota[task] = quota
 
     def workers_changed(self, strategy, before, reason):
-        """The coordinator's workers changed (`kfit_ps.training.elastic`): observe the new
-        coordinator, sample the new workers, forget the removed ones."""
+        """The coordinator's workers changed (`training.resilience.elastic`): observe the
+        new coordinator, sample the new workers, forget the removed ones."""
         self.watch(strategy)
         self._workers = [_task(constants.WORKER, i) for i in range(strategy.num_workers)]
         with self._lock:

@@ -11,16 +11,18 @@ import numpy as np
 import tensorflow as tf
 
 from kfit_ps import _tf_compat
-from kfit_ps.training import cluster_health, functions, inputs, metric_state
+from kfit_ps.training.inputs import adapters
+from kfit_ps.training.resilience import cluster_health
+from kfit_ps.training.step import functions, metric_state
 from kfit_ps.training.loop import prepare, strategy_for
-from kfit_ps.training.scheduling import metric_logs
+from kfit_ps.training.inputs.scheduling import metric_logs
 
 
 def _one_batch(method, x, y=None, sample_weight=None):
     """(spec, batch): `(x[, y[, sample_weight]])` as one batch of tensors, as Keras ships it."""
     parts = tuple(v for v in (x, y, sample_weight) if v is not None)
     leaves = tf.nest.flatten(parts)
-    if not leaves or not all(inputs.is_array_like(leaf) for leaf in leaves):
+    if not leaves or not all(adapters.is_array_like(leaf) for leaf in leaves):
         raise ValueError(
             f"`{method}` takes one batch of numpy arrays or tensors (also lists/dicts of "
             f"them). Received: x of type {type(x).__name__}. For datasets and DatasetCreators "
@@ -49,7 +51,7 @@ def _run_for_metrics(model, method, fn_slot, make_fn, x, y, sample_weight, retur
 
 def train_on_batch(model, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
     """Parameter-server `Model.train_on_batch`; same arguments and return value as Keras'."""
-    x, sample_weight = inputs.with_class_weight(x, y, sample_weight, class_weight)
+    x, sample_weight = adapters.with_class_weight(x, y, sample_weight, class_weight)
     return _run_for_metrics(model, "train_on_batch", "train_function",
                             lambda fns: fns.train_batch(), x, y, sample_weight, return_dict)
 

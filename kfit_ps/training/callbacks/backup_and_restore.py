@@ -9,7 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 from kfit_ps import _tf_compat, constants, validation
-from kfit_ps.training import checkpoint_files
+from kfit_ps.training.callbacks import checkpoint_files
 from kfit_ps.training.callbacks.base import SyncCallback, sync_every_from
 from kfit_ps.training.monitor import job_monitor
 

@@ -18,7 +18,7 @@ still being applied. `SyncCallback` is how it asks:
   stopped early: `fit` then runs the validation and the epoch-end callbacks,
   with the epoch's training logs from `resume_logs()`.
 - `on_train_preempt(epoch, step, logs)` is called when the chief was asked
-  to stop (SIGTERM, `kfit_ps.training.preemption`), after the steps in flight
+  to stop (SIGTERM, `kfit_ps.training.resilience.preemption`), after the steps in flight
   finished: the last chance to save a consistent state before `fit` raises
   `kfit_ps.errors.Preempted`.
 - `on_train_failed(error)` is called when `fit` raises an error of the

@@ -3,7 +3,7 @@
 import tensorflow as tf
 
 from kfit_ps import validation
-from kfit_ps.training import checkpoint_files, summaries
+from kfit_ps.training.callbacks import checkpoint_files, summaries
 from kfit_ps.training.callbacks.base import SyncCallback, sync_every_from
 from kfit_ps.training.monitor import job_monitor
 

@@ -39,7 +39,7 @@ import tensorflow as tf
 
 import kfit_ps.ledger as ledger
 from kfit_ps import _tf_compat, validation
-from kfit_ps.training.dataset_creator import DatasetCreator
+from kfit_ps.training.inputs.dataset_creator import DatasetCreator
 
 SUPPORTED_INPUTS = (
     "kfit_ps.DatasetCreator(dataset_fn), a batched tf.data.Dataset, or numpy arrays / "
@@ -64,7 +64,7 @@ class WorkerInput:
     # (finite data, `fit` without `steps_per_epoch`); it raises when the data has none.
     one_pass: object = dataclasses.field(default=None, compare=False, repr=False)
     # For training: the finite tf.data.Dataset given, which the coordinator can read itself
-    # and ship batch by batch when workers cannot read it by index (`training.shipped`).
+    # and ship batch by batch when workers cannot read it by index (`training.inputs.shipped`).
     shippable: object = dataclasses.field(default=None, compare=False, repr=False)
     # For evaluation: the finite dataset `dataset_fn` built on the coordinator when adapted,
     # kept to pick how it is split (`_tf_compat.shard_policy`) without building it again.

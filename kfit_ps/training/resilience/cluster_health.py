@@ -11,7 +11,7 @@ worker that comes back in time is taken back by TensorFlow as usual.
 
 A lost ps takes the variables it held with it. Under `kfit-ps run
 --ps-recovery in-place` (the default) the chief restores them in place where
-it can (`kfit_ps.training.ps_recovery`); where it cannot (no backup yet, a
+it can (`kfit_ps.training.resilience.ps_recovery`); where it cannot (no backup yet, a
 `DynamicEmbedding`, one-pass epochs, a plain script, several hosts),
 TensorFlow's gRPC errors from `join()` or from reading a variable reach the
 caller: `cluster_errors()` turns those (and only those: errors of the program
@@ -51,7 +51,7 @@ class _WorkerWatch:
         self._next_probe = 0.0
 
     @property
-    def addresses(self):  # Read each time: elastic workers change them (`training.elastic`).
+    def addresses(self):  # Read each time: elastic workers change them (`resilience.elastic`).
         return list(self._strategy.worker_addresses)
 
     def any_reachable(self):

@@ -33,7 +33,7 @@ import tensorflow as tf
 
 from kfit_ps import _tf_compat
 from kfit_ps.embeddings import sparse_optimizer
-from kfit_ps.training import moving_averages, sparse_updaters, transfers
+from kfit_ps.training.step import moving_averages, sparse_updaters, transfers
 
 
 def has_sharded_variables(model):

@@ -26,7 +26,7 @@ class DatasetCreator:
         input_options: optional `tf.distribute.InputOptions`. Defaults to None:
             each CPU worker iterates the dataset itself, with tf.data
             autotuning off unless the dataset's options turn it on (see
-            `kfit_ps.training.scheduling.without_autotune_sleep`). Given, the
+            `kfit_ps.training.inputs.scheduling.without_autotune_sleep`). Given, the
             workers use TensorFlow's distributed iterator with these options
             (as on workers with accelerators).
     """

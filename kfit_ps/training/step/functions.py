@@ -22,8 +22,8 @@ previous step's writes to it.
 import tensorflow as tf
 
 from kfit_ps import _tf_compat, constants, embeddings
-from kfit_ps.training import sharded_updates, transfers
-from kfit_ps.training.metric_state import MetricState
+from kfit_ps.training.step import sharded_updates, transfers
+from kfit_ps.training.step.metric_state import MetricState
 
 MAX_UNROLLED_STEPS = 10
 

@@ -45,7 +45,8 @@ import numpy as np
 import tensorflow as tf
 
 from kfit_ps import constants, validation
-from kfit_ps.training import checkpoint_files, inputs, summaries
+from kfit_ps.training.callbacks import checkpoint_files, summaries
+from kfit_ps.training.inputs import adapters
 
 logger = logging.getLogger("kfit_ps.evaluator")
 
@@ -53,7 +54,7 @@ _SUFFIXES = (".weights.h5", ".keras")
 
 
 @dataclasses.dataclass(frozen=True)
-class Evaluation:
+class CheckpointEvaluation:
     """One evaluated checkpoint: its file, training step and metrics."""
 
     path: str
@@ -74,9 +75,9 @@ def _h5_step(data):
 
 def _evaluation_data(data, steps):
     """What `model.evaluate` takes for `data`; a `DatasetCreator` is called once, here."""
-    if not inputs.is_dataset_creator(data):
+    if not adapters.is_dataset_creator(data):
         return data
-    dataset = inputs.as_dataset_creator(data)(tf.distribute.InputContext())
+    dataset = adapters.as_dataset_creator(data)(tf.distribute.InputContext())
     if steps is None and dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
         raise ValueError(
             f"SidecarEvaluator: `data` is {data!r}, whose dataset is infinite (repeated), and "
@@ -234,7 +235,7 @@ class SidecarEvaluator:
         logs = self.model.evaluate(self.data, steps=self.steps, callbacks=self.callbacks,
                                    verbose=0, return_dict=True)
         logs = {k: float(np.asarray(v)) for k, v in logs.items() if np.ndim(v) == 0}
-        evaluation = Evaluation(path=path, step=int(step), logs=logs)
+        evaluation = CheckpointEvaluation(path=path, step=int(step), logs=logs)
         self.evaluations.append(evaluation)
         logger.info("evaluated %s at training step %d: %s", os.path.basename(path), step,
                     ", ".join(f"{k}={v:.6g}" for k, v in logs.items()))
@@ -281,7 +282,8 @@ class SidecarEvaluator:
             self.evaluations) >= self.max_evaluations
 
     def start(self):
-        """Evaluates checkpoints until a stop condition; returns all `Evaluation`s so far."""
+        """Evaluates checkpoints until a stop condition; returns every
+        `CheckpointEvaluation` so far."""
         for _ in self.evaluate_as_they_come():
             pass
         return list(self.evaluations)
@@ -295,7 +297,7 @@ class SidecarEvaluator:
         return constants.evaluator_idle_timeout()
 
     def evaluate_as_they_come(self):
-        """Like `start`, but yields each new `Evaluation` as soon as it is done."""
+        """Like `start`, but yields each new `CheckpointEvaluation` as soon as it is done."""
         last_new = time.monotonic()
         announced = None
         try:

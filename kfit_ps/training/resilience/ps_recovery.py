@@ -35,7 +35,7 @@ launcher restarts the whole job from the backup: no backup of this `fit` yet, a
 import time
 
 from kfit_ps import _tf_compat, constants, embeddings, net
-from kfit_ps.training import cluster_health
+from kfit_ps.training.resilience import cluster_health
 from kfit_ps.training.callbacks.backup_and_restore import BackupAndRestore
 
 

@@ -144,7 +144,7 @@ def schedule_steps(coordinator, start, stop, k, function_for, args, on_begin, on
     true, nothing more is scheduled. `observe(remote_value, steps)`, when
     given, hears of each function scheduled (`monitor.JobMonitor.expect`). Functions
     starting before step `hooked` are scheduled again (they were dropped before they
-    ran: `training.elastic`) and call no batch hook: those hooks were called already.
+    ran: `training.resilience.elastic`) and call no batch hook: those hooks were called already.
     `scheduled`, when given, gets `(remote value, steps)` of each function as it goes.
     Returns the number of steps of each function scheduled, in order.
     """
