@@ -15,7 +15,7 @@ import shutil  # noqa: E402
 import psutil  # noqa: E402
 import pytest  # noqa: E402
 
-from tests import helpers  # noqa: E402
+from tests import helpers, zygote  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -40,6 +40,7 @@ def children_tmpdir(tmp_path_factory):
     path = tmp_path_factory.mktemp("children_tmp")
     helpers.CHILD_TMPDIR = str(path)
     yield path
+    zygote.close()  # It was started with this TMPDIR (`helpers.run_chief`).
     helpers.CHILD_TMPDIR = None
     shutil.rmtree(path, ignore_errors=True)
 

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -152,6 +153,29 @@ def cli_failures(cases, timeout=180):
     return [tuple(result) for result in json.loads(proc.stdout.strip().splitlines()[-1])]
 
 
+def _run_chief_process(code, timeout):
+    """Runs `code` as a chief process (forked by the session's zygote, `tests/zygote.py`, or
+    with `python -c`); a `subprocess.CompletedProcess`, `TimeoutExpired` past `timeout`."""
+    from tests import zygote
+
+    if not zygote.enabled():
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=timeout, env=chief_env(), cwd=ROOT,
+                              preexec_fn=_default_sigint)
+    with tempfile.TemporaryDirectory(prefix="kfit_ps-chief-") as folder:
+        out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
+        chief = zygote.get(chief_env(), ROOT).run(code, chief_env(), out, err)
+        status = chief.wait(timeout)
+        if status is None:
+            chief.kill()
+            chief.wait(30)
+        with open(out, errors="replace") as f, open(err, errors="replace") as g:
+            stdout, stderr = f.read(), g.read()
+    if status is None:
+        raise subprocess.TimeoutExpired(["chief"], timeout, output=stdout, stderr=stderr)
+    return subprocess.CompletedProcess(["chief"], status, stdout, stderr)
+
+
 def run_chief(code, timeout=240):
     """Runs `code` as a fresh chief process; returns the dict it passed to `report()`.
 
@@ -166,9 +190,7 @@ def run_chief(code, timeout=240):
         def report(**values):
             print({RESULT_PREFIX!r} + json.dumps(values), flush=True)
     """)
-    proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)],
-                          capture_output=True, text=True, timeout=timeout, env=chief_env(),
-                          cwd=ROOT, preexec_fn=_default_sigint)
+    proc = _run_chief_process(prelude + textwrap.dedent(code), timeout)
     for line in proc.stdout.splitlines():
         if RESULT_PREFIX in line:  # a progress bar may precede it on the same line
             result = json.loads(line.split(RESULT_PREFIX, 1)[1])
