@@ -10,7 +10,7 @@ exception hook, the launcher's `RestartPolicy` and the chief Job's
 | status | name | who exits with it | meaning | launcher | Kubernetes (chief Job) |
 | --- | --- | --- | --- | --- | --- |
 | 0 | `DONE` | chief, launcher | the script finished | job done | pod succeeded |
-| 75 | `CLUSTER_ERROR` | chief, launcher | a task training needs is unreachable (`ClusterError`) | restarts the job | `Count` (retried up to `backoffLimit`) |
+| 75 | `CLUSTER_ERROR` | chief, launcher | a task training needs is unreachable (`ClusterError`, or TensorFlow's `UnavailableError` outside `fit`) | restarts the job | `Count` (retried up to `backoffLimit`) |
 | 76 | `RESTARTS_EXHAUSTED` | launcher | a task failed more than `--max-restarts` times within the healthy period | — | `FailJob` |
 | 130 | `INTERRUPTED` | chief, launcher | SIGINT (Ctrl-C) | stops | `Count` |
 | 137 | `KILLED` | (the kernel) | SIGKILL: out of memory, or the grace period ran out | restarts the job | `Count` |

@@ -23,32 +23,36 @@ import time
 
 from kfit_ps import constants
 
-KINDS = {
-    "start": "the launcher started the job (`tasks`: the tasks of this host)",
-    "task_lost": "a task's process ended (`status`: its exit status, negative for a signal)",
-    "task_done": "a task's process finished its work (status 0)",
-    "task_removed": "a worker left the job (`kfit-ps scale`): drained by the chief, then stopped",
-    "restart": "a task was started again (`pid`)",
-    "scale": "a scale request was taken (`workers`: how many the job is to have)",
-    "worker_ready": "a worker added by `kfit-ps scale` serves (`pid`)",
-    "workers": "the chief trains on a new set of workers (`workers`, `addresses`)",
-    "first_step": "a worker that joined finished its first function (`seconds` after the chief took it)",
-    "ps_lost": ("a ps was lost: restarted and restored in place by the chief where it can "
-                "(`--ps-recovery in-place`, then `ps_restored`), else the job restarts"),
-    "ps_restored": "a lost ps was restored in place (`seconds`, `backup_step`, `bytes`)",
-    "job_restart": "every task of this host is restarted; the chief resumes from its backup",
-    "fit_begin": "a fit began (`epochs`, `steps_per_epoch`)",
-    "resumed": "fit resumed from a backup (`epoch`, `step`)",
-    "backup": "a backup was written (`seconds`, `step`)",
-    "checkpoint": "a checkpoint was written (`seconds`, `path`)",
-    "epoch": "an epoch ended (`epoch`, `logs`: its metrics)",
-    "evaluation": "an evaluation ended (`logs`)",
-    "straggler": "a worker is named a straggler (`steps_per_second`, `others`)",
-    "straggler_cleared": "a straggler keeps pace again",
-    "hot_ps": "a ps is named hot (`cpu_cores`, `quota_cores`, `others`)",
-    "hot_ps_cleared": "a hot ps is no longer hot",
-    "stop": "the launcher received a stop signal (`signal`)",
-    "done": "the job or the fit ended (`status`)",
+KINDS = {  # kind: what it says, and who writes it (the docs print this table).
+    "start": "launcher: the job started (`pid`, `tasks`: the tasks of this host)",
+    "task_lost": "launcher: a task's process ended (`status`: its exit status, negative for "
+                 "the signal that killed it)",
+    "task_done": "launcher: a task's process finished its work (`status` 0)",
+    "task_removed": "launcher: a worker left the job (`kfit-ps scale`): drained by the chief, "
+                    "then stopped",
+    "restart": "launcher: a task was started again (`pid`, `cause`: the restart reason)",
+    "scale": "launcher: a scale request was taken (`workers`: how many the job is to have)",
+    "worker_ready": "launcher: a worker added by `kfit-ps scale` serves (`pid`)",
+    "workers": "chief: it trains on a new set of workers (`workers`, `addresses`)",
+    "first_step": "chief: a worker that joined finished its first function (`seconds` after "
+                  "the chief took it)",
+    "ps_lost": ("launcher: a ps was lost: restarted and restored in place by the chief where "
+                "it can (`--ps-recovery in-place`, then `ps_restored`), else the job restarts"),
+    "ps_restored": "chief: a lost ps was restored in place (`seconds`, `backup_step`, `bytes`)",
+    "job_restart": "launcher: every task of this host is restarted (`delay`); the chief "
+                   "resumes from its backup",
+    "fit_begin": "chief: a fit began (`epochs`, `steps_per_epoch`)",
+    "resumed": "chief: fit resumed from a backup (`epoch`, `step`: where it resumes)",
+    "backup": "chief: a backup was written (`seconds`, `step`)",
+    "checkpoint": "chief: a checkpoint was written (`seconds`, `path`)",
+    "epoch": "chief: an epoch ended (`epoch`, `logs`: its metrics, the status page's curve)",
+    "evaluation": "chief: an evaluation ended (`logs`)",
+    "straggler": "chief: a worker is named a straggler (`steps_per_second`, `others`)",
+    "straggler_cleared": "chief: a straggler keeps pace again",
+    "hot_ps": "chief: a ps is named hot (`cpu_cores`, `quota_cores`, `others`)",
+    "hot_ps_cleared": "chief: a hot ps is no longer hot",
+    "stop": "launcher: it received a stop signal (`signal`)",
+    "done": "launcher or chief: the job or the fit ended (`status`)",
 }
 
 

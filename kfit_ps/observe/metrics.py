@@ -36,9 +36,11 @@ RESTART_REASONS = ("killed", "cluster_error", "program_error", "signal", "not_re
 TABLE = {
     # The chief's view.
     "kfit_ps_steps": (Counter, "Training steps finished, per worker", (), "chief"),
-    "kfit_ps_examples": (Counter, "Training examples finished, per worker", (), "chief"),
+    "kfit_ps_examples": (Counter, "Training examples finished, per worker (when the batch "
+                         "size is static)", (), "chief"),
     "kfit_ps_function_seconds": (Histogram, "Latency of a dispatched function (dispatch to "
-                                 "result on the chief), per worker", (), "chief"),
+                                 "result on the chief), per worker; buckets 1 ms to 1000 s",
+                                 (), "chief"),
     "kfit_ps_worker_steps_per_second": (Gauge, "Training steps per second over the diagnosis "
                                         "window, per worker", (), "chief"),
     "kfit_ps_straggler": (Gauge, "1 while the worker is named a straggler", (), "chief"),
@@ -49,17 +51,19 @@ TABLE = {
     "kfit_ps_ps_rss_bytes": (Gauge, "Resident memory of a ps (read on the ps itself)", (),
                              "chief"),
     "kfit_ps_hot_ps": (Gauge, "1 while the ps is named hot", (), "chief"),
-    "kfit_ps_table_rows": (Gauge, "Embedding rows a ps holds (sharded variables and dynamic "
-                           "tables)", (), "chief"),
+    "kfit_ps_table_rows": (Gauge, "Embedding rows a ps holds: Embedding tables (each shard "
+                           "of a sharded one on its ps) and DynamicEmbedding shards, read at "
+                           "each epoch end", (), "chief"),
     "kfit_ps_table_admitted": (Counter, "Keys admitted into the dynamic-table shards of a ps",
                                (), "chief"),
     "kfit_ps_table_evicted": (Counter, "Rows evicted from the dynamic-table shards of a ps", (),
                               "chief"),
-    "kfit_ps_backup_seconds": (Histogram, "Duration of a backup (BackupAndRestore)", (),
-                               "chief"),
+    "kfit_ps_backup_seconds": (Histogram, "Duration of a backup (BackupAndRestore, kfit-ps "
+                               "run --backup-dir)", (), "chief"),
     "kfit_ps_checkpoint_seconds": (Histogram, "Duration of a checkpoint (ModelCheckpoint)", (),
                                    "chief"),
-    "kfit_ps_eval_steps": (Counter, "Evaluation steps finished, per worker", (), "chief"),
+    "kfit_ps_eval_steps": (Counter, "Evaluation steps (or shards) finished, per worker", (),
+                           "chief"),
     "kfit_ps_eval_progress": (Gauge, "Fraction of the running evaluation finished", (),
                               "chief"),
     "kfit_ps_epoch": (Gauge, "Epochs finished in the current fit", (), "chief"),
@@ -68,8 +72,8 @@ TABLE = {
     "kfit_ps_task_cpu_seconds": (Counter, "CPU seconds used by the task's current process",
                                  (), "launcher"),
     "kfit_ps_task_rss_bytes": (Gauge, "Resident memory of the task's process", (), "launcher"),
-    "kfit_ps_task_restarts": (Counter, "Restarts of the task, by reason", ("reason",),
-                              "launcher"),
+    "kfit_ps_task_restarts": (Counter, "Restarts of the task, by reason: "
+                              + ", ".join(RESTART_REASONS), ("reason",), "launcher"),
 }
 
 

@@ -1,0 +1,103 @@
+"""The contract tables the docs print: written from the code's own tables, never by hand.
+
+Each table sits in its doc between `<!-- table: NAME -->` and `<!-- end table -->`.
+`python -m tests.doc_tables` rewrites them; `tests/test_doc_tables.py` fails while a doc
+differs from what this writes, so the docs cannot drift from the code.
+
+| name | source | doc |
+| --- | --- | --- |
+| `exit_status` | the table in `kfit_ps.exit_status`' docstring | `docs/fault_tolerance.md` |
+| `restart_policy` | the table in `kfit_ps.launch.policy`' docstring | `docs/fault_tolerance.md` |
+| `events` | `kfit_ps.observe.events.KINDS` | `docs/observability.md` |
+| `metrics` | `kfit_ps.observe.metrics.TABLE` | `docs/observability.md` |
+| `settings` | the table in `kfit_ps.constants`' docstring | `docs/configuration.md` |
+"""
+
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _docstring_table(module):
+    return "\n".join(line for line in module.__doc__.splitlines() if line.startswith("|"))
+
+
+def exit_status():
+    from kfit_ps import exit_status as module
+
+    return _docstring_table(module)
+
+
+def restart_policy():
+    from kfit_ps.launch import policy
+
+    return _docstring_table(policy)
+
+
+def settings():
+    from kfit_ps import constants
+
+    return _docstring_table(constants)
+
+
+def events():
+    from kfit_ps.observe.events import KINDS
+
+    rows = ["| event | meaning |", "| --- | --- |"]
+    rows += [f"| `{kind}` | {meaning} |" for kind, meaning in KINDS.items()]
+    return "\n".join(rows)
+
+
+def metrics():
+    from kfit_ps.observe.metrics import TABLE
+
+    rows = ["| metric | type | served by | meaning |", "| --- | --- | --- | --- |"]
+    for name, (kind, help_text, labels, served_by) in TABLE.items():
+        kind = kind.__name__.lower()
+        exposed = f"{name}_total" if kind == "counter" else name
+        kind += "".join(f", `{label}`" for label in labels)
+        rows.append(f"| `{exposed}` | {kind} | {served_by} | {help_text} |")
+    return "\n".join(rows)
+
+
+TABLES = {
+    "exit_status": (exit_status, "docs/fault_tolerance.md"),
+    "restart_policy": (restart_policy, "docs/fault_tolerance.md"),
+    "events": (events, "docs/observability.md"),
+    "metrics": (metrics, "docs/observability.md"),
+    "settings": (settings, "docs/configuration.md"),
+}
+
+
+def _block(name):
+    return re.compile(rf"(<!-- table: {name} -->\n)(.*?)(<!-- end table -->)", re.S)
+
+
+def rendered(name, text):
+    """`text` (a doc) with table `name` written from its source; ValueError without markers."""
+    make, doc = TABLES[name]
+    block = _block(name)
+    if not block.search(text):
+        raise ValueError(f"{doc} has no `<!-- table: {name} -->` ... `<!-- end table -->` block")
+    return block.sub(lambda m: m.group(1) + make() + "\n" + m.group(3), text, count=1)
+
+
+def write():
+    """Rewrites every table in its doc; returns the docs that changed."""
+    changed = []
+    for name, (_, doc) in TABLES.items():
+        path = os.path.join(ROOT, doc)
+        with open(path) as f:
+            text = f.read()
+        new = rendered(name, text)
+        if new != text:
+            with open(path, "w") as f:
+                f.write(new)
+            changed.append(doc)
+    return sorted(set(changed))
+
+
+if __name__ == "__main__":
+    print("\n".join(write()) or "every table is current", file=sys.stderr)
