@@ -182,3 +182,22 @@ def test_workers_with_several_replicas_are_refused():
 
 def test_strategy_on_cpu_workers_has_one_replica(strategy):
     assert strategy.num_replicas_in_sync == 1  # what the check above is applied to
+
+
+def test_a_remote_error_without_recorded_stacks_keeps_tensorflows_first_line():
+    """TensorFlow sometimes writes "<stack traces unavailable>" where a node's "defined at"
+    listing goes (seen under load); the condensed error still names the root error's text."""
+    import tensorflow as tf
+
+    from kfit_ps.training import user_errors
+
+    listing = ("Detected at node assert_less/Assert defined at (most recent call last):\n"
+               "<stack traces unavailable>\n")
+    message = ("Graph execution error:\n\n" + listing * 2 + "2 root error(s) found.\n"
+               "  (0) INVALID_ARGUMENT: bad batch\n\t [[{{node assert_less/Assert}}]]\n"
+               "  (1) INVALID_ARGUMENT: bad batch\n"
+               "Additional GRPC error information from remote target "
+               "/job:worker/replica:0/task:1 while calling /tensorflow.eager.EagerService")
+    error = user_errors.condensed(tf.errors.InvalidArgumentError(None, None, message))
+    assert type(error) is tf.errors.InvalidArgumentError
+    assert error.message == "A step failed on worker:1: bad batch\n  at node assert_less/Assert"

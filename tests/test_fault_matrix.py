@@ -163,6 +163,8 @@ def _inject(job, fault):
         os.killpg(job.proc.pid, signal.SIGTERM)
     elif fault == "SIGSTOP worker":
         os.kill(tasks["worker:1"], signal.SIGSTOP)
+    elif fault == "SIGSTOP ps":  # Wedged: the launcher's liveness watch kills it.
+        os.kill(tasks["ps:1"], signal.SIGSTOP)
     elif fault == "worker loss, SIGTERM 2 s later":
         os.kill(tasks["worker:0"], signal.SIGKILL)
         time.sleep(2.0)
@@ -267,7 +269,9 @@ CELLS = [
     ("training", "worker loss, SIGTERM 2 s later", "resumed"),
     ("validation-shipped", "SIGTERM group", "resumed"),
     ("validation-shipped", "SIGKILL ps", "ps_restored"),
+    ("training", "SIGSTOP ps", "ps_restored"),
     ("validation-workers", "SIGKILL worker", None),
+    ("validation-workers", "SIGKILL chief", "job_restart"),
     ("epoch-end", "SIGKILL chief", "job_restart"),
     ("epoch-end", "SIGKILL ps", "ps_restored"),
     ("second-fit", "SIGTERM launcher", "resumed"),
@@ -299,7 +303,7 @@ def run_and_check(number, phase, fault, recovery, tmp_path):
 
 @pytest.mark.chaos
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # 13 cells of 20-60 s, two at a time; a stuck cell fails on its bounds
+@pytest.mark.timeout(1800)  # 15 cells of 20-60 s, two at a time; a stuck cell fails on its bounds
 def test_fault_matrix(tmp_path):
     only = os.environ.get("KFIT_PS_MATRIX_CELLS")  # "3,5": run those cells (debugging)
     cells = [CELLS[int(i)] for i in only.split(",")] if only else CELLS

@@ -2,6 +2,7 @@
 
 import os
 import sys
+import time
 
 import keras
 import numpy as np
@@ -458,6 +459,11 @@ def test_queued_functions_are_cancelled_and_results_are_ready_only_once_copied(s
                                       tf.range(40), initializer=x))
 
     results = [coordinator.schedule(slow) for _ in range(24)]
+    # A loaded host may not have handed any function to a worker yet: wait until one runs.
+    closures = coordinator._cluster.closure_queue  # TensorFlow's, as _tf_compat reads it
+    deadline = time.monotonic() + 60
+    while closures._inflight_closure_count == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
     cancelled = _tf_compat.cancel_queued_closures(coordinator)
     assert 0 < len(cancelled) < 24  # the running ones (one per worker at least) not dropped
     coordinator.join()  # returns once the running ones finished

@@ -30,6 +30,7 @@ _REMOTE_TASK = re.compile(r"from remote target (/job:(\w+)/replica:\d+/task:(\d+
 _DEFINED_AT = re.compile(r"^Detected at node (.+?) defined at \(most recent call last\):$")
 _NODE = re.compile(r"\[\[\{\{node ([^}]+)\}\}\]\]")
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)')
+_NO_STACK = "<stack traces unavailable>"
 
 
 _ONE_LINE = "_kfit_ps_one_line"  # Marks the KeyboardInterrupt kfit_ps raised in place of one.
@@ -77,6 +78,8 @@ def condensed(error):
         frame = _FRAME.match(line)
         if detected:  # The first listing is kept; TensorFlow repeats it.
             collecting = not frames
+        elif stripped == _NO_STACK:  # A listing TensorFlow did not record (seen under load).
+            continue
         elif frame:
             if collecting:
                 frames.append(frame.groups())
