@@ -54,6 +54,33 @@ def test_atomic_updates_install_once_and_keep_stock_behaviour_elsewhere():
     assert _tf_compat.is_kfit_variable(marked)
 
 
+def test_an_executor_whose_task_was_lost_ends_quietly_and_others_as_before():
+    """`Executor.__del__` raised the lost task's gRPC error from its wait ("Exception ignored
+    in", a wall of gRPC text after a SIGSTOPped ps was killed): it is dropped."""
+    import gc
+
+    from tensorflow.python.eager.executor import Executor
+
+    for _ in range(2):
+        _tf_compat.install_quiet_executor_teardown()
+    assert hasattr(Executor.__del__, "_kfit_ps_stock")
+    assert not hasattr(Executor.__del__._kfit_ps_stock, "_kfit_ps_stock")
+    waited = []
+
+    class LostTask(Executor):
+        def wait(self):
+            waited.append(self)
+            raise tf.errors.UnavailableError(None, None, "recvmsg:Connection reset by peer")
+
+    LostTask(None).__del__()  # Raised UnavailableError before.
+    assert len(waited) == 1
+    from tensorflow.python.eager import executor as executors
+
+    real = executors.new_executor(enable_async=True)  # Waited for and deleted as before.
+    del real
+    gc.collect()
+
+
 def test_stateful_layer_hooks_exist_and_keep_stock_keras_outside_a_kfit_ps_scope():
     import inspect
 

@@ -135,9 +135,9 @@ class PsRecovery:
         names = ", ".join(f"ps:{t}" for t in tasks)
         self._recovered_at = time.monotonic()
         seconds = time.monotonic() - started
+        size = f"{written / 2**20:.{0 if written >= 10 * 2**20 else 2}f} MB"  # Never "0 MB".
         reason = (f"{names} restored in place from the backup of step {marker['step']} "
-                  f"({written / 2**20:.0f} MB) in {seconds:.1f} s; the other ps tasks keep "
-                  "their state")
+                  f"({size}) in {seconds:.1f} s; the other ps tasks keep their state")
         _tf_compat.print_msg(f"kfit_ps: {reason}")
         for task in tasks:
             self.monitor.event("ps_restored", f"ps:{task}", reason, seconds=round(seconds, 3),
