@@ -8,6 +8,9 @@ subprocess (`helpers.run_chief`).
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+# Every process this test session starts inherits it: the orphan check below counts only this
+# session's servers (pytest-xdist runs two sessions at once, `addopts` in pyproject.toml).
+os.environ["KFIT_PS_TEST_SESSION"] = str(os.getpid())
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import shutil  # noqa: E402
@@ -48,12 +51,14 @@ def children_tmpdir(tmp_path_factory):
 @pytest.fixture(scope="session", autouse=True)
 def no_orphan_servers():
     """Fails the session if any kfit_ps server process outlives the tests."""
-    before = set(helpers.server_pids())
+    before = set(helpers.server_pids(session=os.environ["KFIT_PS_TEST_SESSION"]))
     yield
     import kfit_ps.cluster.local as local
 
     local._stop_live_clusters()
-    leftover = helpers.wait_for_no_servers(exclude=before, timeout=15)
+    leftover = helpers.wait_for_no_servers(
+        helpers.server_pids(session=os.environ["KFIT_PS_TEST_SESSION"]), exclude=before,
+        timeout=15)
     assert leftover == [], f"kfit_ps server processes left running: {leftover}"
 
 

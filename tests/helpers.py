@@ -23,9 +23,19 @@ def is_server(proc):
         return False
 
 
-def server_pids():
-    return [p.pid for p in psutil.process_iter() if is_server(p)
-            and p.status() != psutil.STATUS_ZOMBIE]
+def server_pids(session=None):
+    """The running kfit_ps servers: all, or those started under test session `session` (their
+    environment's `KFIT_PS_TEST_SESSION`, set by conftest and passed on to every child)."""
+    pids = []
+    for p in psutil.process_iter():
+        try:
+            if not is_server(p) or p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if session is None or p.environ().get("KFIT_PS_TEST_SESSION") == session:
+                pids.append(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return pids
 
 
 def wait_for_no_servers(pids=None, exclude=(), timeout=10.0):

@@ -330,3 +330,11 @@ def test_a_server_process_loads_neither_keras_nor_the_training_stack(tmp_path):
         ("tensorflow._api", "kfit_ps.training", "kfit_ps.strategy"))}
     assert {m for m in imported if m.startswith("kfit_ps._tf_compat")} == {
         "kfit_ps._tf_compat.server_lib", "kfit_ps._tf_compat.supported"}
+
+
+def test_the_session_clusters_servers_carry_the_test_sessions_tag(cluster):
+    """The orphan check (conftest) counts the servers whose environment names this session:
+    servers inherit it through `LocalCluster`, so none escapes the check unseen."""
+    mine = set(helpers.server_pids(session=os.environ["KFIT_PS_TEST_SESSION"]))
+    assert set(cluster.pids()) <= mine and len(cluster.pids()) == 4
+    assert not set(cluster.pids()) & set(helpers.server_pids(session="another session"))
