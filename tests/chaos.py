@@ -29,6 +29,7 @@ class WorkerKills:
         self._rng, self._workers, self._jitter = rng, workers, jitter
         self._restart_after = restart_after
         self.kills, self._restarts = [], []
+        self._stop = threading.Event()  # Set when the fit failed: no more kills or restarts.
         self._up = [threading.Event() for _ in range(workers)]  # set while a worker serves
         for event in self._up:
             event.set()
@@ -40,23 +41,28 @@ class WorkerKills:
 
     def __exit__(self, kind, *exc):
         if kind is not None:  # The fit failed: its progress may never reach the next point.
-            return
+            self._stop.set()
         self._thread.join()
         for restart in self._restarts:
             restart.join()
 
     def _restart(self, task):
-        time.sleep(self._restart_after)
+        if self._stop.wait(self._restart_after):
+            return
         self._cluster.restart("worker", task)
         self._up[task].set()
 
     def _run(self):
         for point in self.points:
-            while self._progress() < point:
+            while not self._stop.is_set() and self._progress() < point:
                 time.sleep(0.01)
+            if self._stop.is_set():
+                return
             serving = [task for task in range(self._workers) if self._up[task].is_set()]
             task = self._rng.choice(serving) if serving else self._rng.randrange(self._workers)
-            self._up[task].wait()  # never a worker still restarting
+            while not self._up[task].wait(0.1):  # never a worker still restarting
+                if self._stop.is_set():
+                    return
             if self._jitter:
                 time.sleep(self._rng.uniform(0, self._jitter))
             self._up[task].clear()

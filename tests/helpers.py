@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 
@@ -69,8 +68,8 @@ def wait_listening(address, proc, timeout=90):
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         return net.accepts_connections(address)
 
-    assert not net.wait_for_servers([(address, address)], timeout, ready=ready), (
-        f"{address} never listened")
+    missing = net.wait_for_servers([(address, address)], timeout, ready=ready)
+    assert not missing, f"{address} never listened"
 
 
 _spawned = []
@@ -168,22 +167,11 @@ def _run_chief_process(code, timeout):
     with `python -c`); a `subprocess.CompletedProcess`, `TimeoutExpired` past `timeout`."""
     from tests import zygote
 
-    if not zygote.enabled():
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=timeout, env=chief_env(), cwd=ROOT,
-                              preexec_fn=_default_sigint)
-    with tempfile.TemporaryDirectory(prefix="kfit_ps-chief-") as folder:
-        out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
-        chief = zygote.get(chief_env(), ROOT).run(code, chief_env(), out, err)
-        status = chief.wait(timeout)
-        if status is None:
-            chief.kill()
-            chief.wait(30)
-        with open(out, errors="replace") as f, open(err, errors="replace") as g:
-            stdout, stderr = f.read(), g.read()
-    if status is None:
-        raise subprocess.TimeoutExpired(["chief"], timeout, output=stdout, stderr=stderr)
-    return subprocess.CompletedProcess(["chief"], status, stdout, stderr)
+    env = chief_env()
+    if zygote.enabled(env):
+        return zygote.run(code, env, ROOT, timeout)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT, preexec_fn=_default_sigint)
 
 
 def run_chief(code, timeout=240):

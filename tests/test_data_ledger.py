@@ -255,7 +255,7 @@ def test_a_backup_resumes_only_on_the_same_data(model, tmp_path):
 # exactly the untrained examples.
 RESUMED_SHUFFLED_EPOCH = """
 import signal
-from kfit_ps.training import preemption
+from kfit_ps.training.resilience import preemption
 from tests import helpers as h
 
 N = 10_000

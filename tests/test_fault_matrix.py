@@ -190,7 +190,7 @@ def _inject(job, fault):
 
 def _flags(backup):
     return ("--workers", "2", "--ps", "2", "--backup-dir", str(backup), "--save-freq", "20",
-            "--grace", "30", "--liveness-timeout", "4", "--max-restarts", "3")
+            "--grace", "30", "--liveness-timeout", "10", "--max-restarts", "3")
 
 
 def run_cell(tmp_path, phase, fault):

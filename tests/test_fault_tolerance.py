@@ -206,7 +206,7 @@ def test_a_worker_lost_then_a_sigterm_stops_at_an_exact_step_with_a_backup(tmp_p
     backup = str(tmp_path / "backup")
     result = helpers.run_chief("""
 import os, signal
-from kfit_ps.training import preemption
+from kfit_ps.training.resilience import preemption
 os.environ["KFIT_PS_METRIC_RESULTS_PENDING"] = "100000"  # every result until the stop
 preemption.install()
 """ + CLUSTER_AND_MODEL + f"""
@@ -459,7 +459,7 @@ def test_a_sigterm_during_validation_stops_it_and_the_resume_validates_that_epoc
     backup, csv = str(tmp_path / "backup"), str(tmp_path / "epochs.csv")
     result = helpers.run_chief("""
 import os, signal
-from kfit_ps.training import preemption
+from kfit_ps.training.resilience import preemption
 preemption.install()
 """ + CLUSTER_AND_MODEL + f"""
     vx, vy = h.regression_arrays(rows=4000, features=32)

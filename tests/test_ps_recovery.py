@@ -21,7 +21,7 @@ TABLE = textwrap.dedent(f"""
     import keras, kfit_ps
     import tensorflow as tf
     from kfit_ps import _tf_compat
-    from kfit_ps.training import ps_recovery
+    from kfit_ps.training.resilience import ps_recovery
     from tests import helpers as h
 
     def hashes(task):

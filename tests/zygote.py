@@ -5,14 +5,21 @@ Python and importing TensorFlow and Keras costs about 5 s of CPU per chief; a
 zygote pays it once per test session and forks a chief per snippet, as
 `test_public_api` does for module imports. A forked chief is a process of its
 own: its own eager context, its own `LocalCluster` (server processes started
-from it), its own standard output and error (files the test reads), its own
-exit status. It inherits only what `import tensorflow, keras, kfit_ps` left in
-memory (no TensorFlow runtime: that starts with the first op, in the child).
+from it), its own exit status, and its standard output and error are pipes the
+test reads to their end, as `subprocess.run` did (its TensorFlow log filter,
+`kfit_ps.tf_logs`, is its own too). It runs as `python -c` would: in a
+`__main__` module, Ctrl-C a `KeyboardInterrupt`, an uncaught exception printed
+by `sys.excepthook` and exit status 1, `sys.exit` and `atexit` as usual. It
+inherits only what `import tensorflow, keras, kfit_ps` left in memory (no
+TensorFlow runtime: that starts with the first op, in the child), and the
+zygote's environment at import time: a test whose environment differs in a
+setting read at import (`IMPORT_SETTINGS`) gets a `python -c` chief instead.
 
-Protocol: the test writes one JSON request per line to the zygote's stdin
-(`{"id", "code", "env", "stdout", "stderr"}`); the zygote answers
-`{"id", "pid"}` once it forked and `{"id", "status"}` (a `subprocess` return
-code) once that child ended. The zygote has one thread when it forks.
+Protocol: the zygote says `{"ready": true}` once imported; the test writes one
+JSON request per line to its stdin (`{"id", "code", "env", "stdout", "stderr"}`,
+the last two FIFOs the test reads); the zygote answers `{"id", "pid"}` once it
+forked and `{"id", "status"}` (a `subprocess` return code) once that child
+ended. The zygote has one thread when it forks.
 
 Set `KFIT_PS_TEST_FORK=0` to start every chief with `python -c` instead.
 """
@@ -21,18 +28,22 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 
+# Read when TensorFlow, Keras or Python start: a chief that needs other values is not forked.
+IMPORT_SETTINGS = ("KERAS_BACKEND", "TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS",
+                   "TF_USE_LEGACY_KERAS", "CUDA_VISIBLE_DEVICES", "KFIT_PS_TF_LOGS",
+                   "PYTHONPATH", "PYTHONHASHSEED", "PYTHONFAULTHANDLER", "PYTHONUNBUFFERED")
+
 ZYGOTE = r"""
-import json, os, select, signal, sys, time, traceback
+import json, os, select, signal, sys, types
 import numpy as np
 import kfit_ps, keras, tensorflow as tf
 from kfit_ps import tf_logs
 
 children = {}  # pid -> request id
-requests = os.fdopen(0, "r")
 answers = os.fdopen(os.dup(1), "w")
-devnull = os.open(os.devnull, os.O_RDWR)
 
 
 def answer(**fields):
@@ -40,75 +51,92 @@ def answer(**fields):
     answers.flush()
 
 
-def fork(request):
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid:
-        children[pid] = request["id"]
-        answer(id=request["id"], pid=pid)
-        return
-    status = 1
-    try:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.dup2(devnull, 0)
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(out, fd)
-            os.close(out)
-        answers.close()  # The protocol's pipes stay with the zygote (stdin is /dev/null now).
-        os.close(devnull)
-        os.environ.clear()
-        os.environ.update(request["env"])
-        tf_logs._installed.clear()  # The filter of this process, on its own stderr.
-        tf_logs.install()
-        namespace = {"__name__": "__main__", "__builtins__": __builtins__}
-        exec(compile(request["code"], "<chief>", "exec"), namespace)
-        status = 0
-    except SystemExit as e:
-        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
-
-
 def reap():
-    while children:
+    while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
-        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-        answer(id=children.pop(pid), status=code)
+        request = children.pop(pid, None)  # (the log filter is a child too)
+        if request is not None:
+            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            answer(id=request, status=code)
 
 
-while True:
-    ready, _, _ = select.select([requests], [], [], 0.05)
-    if ready:
-        line = requests.readline()
-        if not line:
-            break  # The test session ended: its children are its to stop.
-        fork(json.loads(line))
-    reap()
-os._exit(0)
+def serve():
+    # Unbuffered reads: select() must see every request that is not handled yet.
+    buffered = b""
+    while True:
+        ready, _, _ = select.select([0], [], [], 0.05)
+        if ready:
+            data = os.read(0, 1 << 16)
+            if not data:
+                return None  # The test session ended: its children are its own to stop.
+            buffered += data
+        while b"\n" in buffered:
+            line, buffered = buffered.split(b"\n", 1)
+            request = json.loads(line)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                return request
+            children[pid] = request["id"]
+            answer(id=request["id"], pid=pid)
+        reap()
+
+
+answer(ready=True)
+request = serve()
+if request is None:
+    os._exit(0)
+# The chief: `python -c` from here on.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+answers.close()
+null = os.open(os.devnull, os.O_RDONLY)
+os.dup2(null, 0)
+os.close(null)
+for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+    pipe = os.open(path, os.O_WRONLY)
+    os.dup2(pipe, fd)
+    os.close(pipe)
+os.environ.clear()
+os.environ.update(request["env"])
+tf_logs._installed.clear()  # This process's own filter, on its own standard error.
+tf_logs.install()
+main = types.ModuleType("__main__")
+main.__builtins__ = __builtins__
+sys.modules["__main__"] = main
+del request["env"]
+exec(compile(request["code"], "<string>", "exec"), main.__dict__)
 """
+
+
+def _import_settings(env):
+    return {key: env.get(key) for key in IMPORT_SETTINGS}
 
 
 class Zygote:
     """The forking interpreter of one test session (started on first use)."""
 
+    READY_SECONDS = 300  # Importing TensorFlow on a loaded 2-core host.
+    FORK_SECONDS = 60
+
     def __init__(self, env, cwd):
+        self.settings = _import_settings(env)
+        # Its own errors go to a file: started during some test, it would write into that
+        # test's captured output for the rest of the session.
+        self.log = tempfile.NamedTemporaryFile(prefix="kfit_ps-zygote-", suffix=".log",
+                                               delete=False)
         self._proc = subprocess.Popen(
             [sys.executable, "-c", ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True, env=env, cwd=cwd, start_new_session=False)
+            stderr=self.log, text=True, env=env, cwd=cwd)
         self._lock = threading.Lock()
         self._next = 0
-        self._waiting = {}  # id -> {"pid": Event + value, "status": ...}
+        self._ready = threading.Event()
+        self._waiting = {}  # id -> {"pid", "pid_set", "status", "status_set"}
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -117,6 +145,9 @@ class Zygote:
             if not line.startswith("{"):
                 continue
             message = json.loads(line)
+            if message.get("ready"):
+                self._ready.set()
+                continue
             with self._lock:
                 slot = self._waiting.get(message["id"])
             if slot is None:
@@ -125,6 +156,7 @@ class Zygote:
                 if key in message:
                     slot[key] = message[key]
                     slot[key + "_set"].set()
+        self._ready.set()
         with self._lock:  # The zygote ended: nobody will answer.
             for slot in self._waiting.values():
                 slot["pid_set"].set()
@@ -134,7 +166,11 @@ class Zygote:
         return self._proc.poll() is None
 
     def run(self, code, env, stdout, stderr):
-        """Forks a chief that runs `code`; returns a `Forked` handle."""
+        """Forks a chief that runs `code` and writes to the FIFOs `stdout` and `stderr`;
+        returns a `Forked` handle."""
+        if not self._ready.wait(self.READY_SECONDS) or not self.alive():
+            raise RuntimeError(f"the chief zygote did not start (alive: {self.alive()}); its "
+                               f"log: {self.log.name}")
         with self._lock:
             self._next += 1
             request_id = self._next
@@ -143,8 +179,9 @@ class Zygote:
             self._proc.stdin.write(json.dumps({"id": request_id, "code": code, "env": env,
                                                "stdout": stdout, "stderr": stderr}) + "\n")
             self._proc.stdin.flush()
-        if not slot["pid_set"].wait(60) or "pid" not in slot:
-            raise RuntimeError(f"the chief zygote did not fork (alive: {self.alive()})")
+        if not slot["pid_set"].wait(self.FORK_SECONDS) or "pid" not in slot:
+            raise RuntimeError(f"the chief zygote did not fork (alive: {self.alive()}); its "
+                               f"log: {self.log.name}")
         return Forked(self, request_id, slot)
 
     def forget(self, request_id):
@@ -159,6 +196,8 @@ class Zygote:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
+        self.log.close()
+        os.unlink(self.log.name)
 
 
 class Forked:
@@ -182,24 +221,79 @@ class Forked:
             pass
 
 
-_zygote = []
+class _Drain:
+    """A FIFO read to its end in a thread: what the chief (and its log filter) wrote."""
+
+    def __init__(self, path):
+        self.path, self.chunks = path, []
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self):
+        with open(self.path, "rb") as pipe:  # Returns once the chief opened it.
+            for chunk in iter(lambda: pipe.read1(1 << 16), b""):
+                self.chunks.append(chunk)
+
+    def text(self, timeout):
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            try:  # Nobody opened it (the fork failed): an end of file for the reader.
+                os.close(os.open(self.path, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+            self._thread.join(1)
+        return b"".join(self.chunks).decode(errors="replace")
+
+
+_zygotes = []
 _zygote_lock = threading.Lock()
 
 
-def enabled():
-    return os.environ.get("KFIT_PS_TEST_FORK", "1") != "0"
-
-
-def get(env, cwd):
-    """The session's zygote, started with `env` on first use (and again if it died)."""
+def enabled(env):
+    """Whether a chief with environment `env` can be forked from the session's zygote."""
+    if os.environ.get("KFIT_PS_TEST_FORK", "1") == "0":
+        return False
     with _zygote_lock:
-        if not _zygote or not _zygote[0].alive():
-            _zygote[:] = [Zygote(env, cwd)]
-        return _zygote[0]
+        return not _zygotes or _zygotes[0].settings == _import_settings(env)
+
+
+def _get(env, cwd):
+    with _zygote_lock:
+        if not _zygotes or not _zygotes[0].alive():
+            _zygotes[:] = [Zygote(env, cwd)]
+        return _zygotes[0]
+
+
+def run(code, env, cwd, timeout):
+    """Runs `code` in a forked chief: a `subprocess.CompletedProcess`; `TimeoutExpired` after
+    `timeout` s (the chief killed). Interrupted, it kills the chief before raising."""
+    with tempfile.TemporaryDirectory(prefix="kfit_ps-chief-") as folder:
+        paths = [os.path.join(folder, name) for name in ("stdout", "stderr")]
+        for path in paths:
+            os.mkfifo(path)
+        drains = [_Drain(path) for path in paths]
+        chief = None
+        try:
+            chief = _get(env, cwd).run(code, env, *paths)
+            status = chief.wait(timeout)
+        except BaseException:
+            if chief is not None:
+                chief.kill()
+                chief.wait(30)
+            for drain in drains:
+                drain.text(1)
+            raise
+        if status is None:
+            chief.kill()
+            chief.wait(30)
+        stdout, stderr = (drain.text(30) for drain in drains)
+    if status is None:
+        raise subprocess.TimeoutExpired(["chief"], timeout, output=stdout, stderr=stderr)
+    return subprocess.CompletedProcess(["chief"], status, stdout, stderr)
 
 
 def close():
     with _zygote_lock:
-        for zygote in _zygote:
+        for zygote in _zygotes:
             zygote.close()
-        _zygote.clear()
+        _zygotes.clear()

@@ -29,15 +29,15 @@ def prepare_training(model):
 
 
 def read_tables(model):
-    """{layer name: `Table.shard_stats()`} of the model's built `DynamicEmbedding` tables,
+    """[(layer name, `Table.shard_stats()`)] of the model's built `DynamicEmbedding` tables,
     read on their ps tasks once: the reading serves the epoch's logs (`epoch_stats`) and the
     job's metrics (`training.monitor.table_stats`)."""
-    return {layer.name: layer.table.shard_stats() for layer in dynamic_layers(model)
-            if layer.table is not None}
+    return [(layer.name, layer.table.shard_stats()) for layer in dynamic_layers(model)
+            if layer.table is not None]
 
 
 def epoch_stats(readings):
     """{"<layer>_rows": ..., "<layer>_admitted": ..., "<layer>_evicted": ...} for epoch logs,
     from `read_tables(model)`."""
     return {f"{name}_{key}": float(sum(shard[key] for shard in shards))
-            for name, shards in readings.items() for key in ("rows", "admitted", "evicted")}
+            for name, shards in readings for key in ("rows", "admitted", "evicted")}

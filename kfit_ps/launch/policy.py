@@ -8,13 +8,13 @@
 | a ps, `--ps-recovery restart` | its variables are gone: let the chief stop (its `fit` raises `ParameterServerError`), then restart the job |
 | the chief, with a retry status (`exit_status.RETRY`: 75 `ClusterError`, 143 SIGTERM, 137 SIGKILL, 130 SIGINT, or killed by any signal), or after a ps was lost | restart the job: every server of this host and the chief, which resumes from its last backup |
 | the chief, any other status | the program failed: not retried (`FAIL` with its status) |
-| a ps lost, and the chief still runs `ps_failure_grace` s later | stop the chief (`STOP_CHIEF`); its exit restarts the job |
+| a ps lost without in-place recovery (`WAIT_FOR_CHIEF`), and the chief still runs `ps_failure_grace` s later | stop the chief (`STOP_CHIEF`); its exit restarts the job |
 | the chief that a host's ps tasks served went away (multi-host) | restart those ps tasks at once, not counted (`RESTART_TASK`): a ps never keeps a dead chief's variables |
 | a server accepts connections but has not answered for `--liveness-timeout` s | kill it (`KILL_TASK`); its exit is then decided on as above |
 | a server runs but did not start serving in time | kill it and restart it, counted (`not_ready`) |
 
-In-place ps recovery applies where this launcher runs the ps and the chief (a local
-job); a multi-host job restarts (`ps_recovery`).
+In-place ps recovery applies where this launcher runs every task (`kfit-ps run` without
+`--tasks`); a job whose tasks are spread with `--tasks` restarts (`ps_recovery`).
 
 Restarting the ps tasks with the chief is deliberate: a ps keeps the variables a
 chief created for as long as it runs, so a ps that outlived five chiefs would hold
@@ -97,13 +97,14 @@ class RestartPolicy:
 
     @staticmethod
     def ps_recovery(requested, local):
-        """The ps recovery a job runs: `requested` where this launcher runs the ps and the
-        chief (`local`); else "restart" (a multi-host job restarts)."""
+        """The ps recovery a job runs: `requested` where this launcher runs every task
+        (`local`: no `--tasks`); else "restart"."""
         return requested if local else "restart"
 
     def chief_overdue(self, ps_lost_for):
-        """`STOP_CHIEF` once a ps has been lost `ps_lost_for` s and the chief still runs past
-        `ps_failure_grace` (its `fit` should have stopped by itself); else None."""
+        """`STOP_CHIEF` once a ps lost without in-place recovery (`WAIT_FOR_CHIEF`) has been
+        lost `ps_lost_for` s and the chief still runs past `ps_failure_grace` (its `fit`
+        should have stopped by itself); else None."""
         if ps_lost_for <= self.ps_failure_grace:
             return None
         return Decision(Action.STOP_CHIEF, reason=(

@@ -24,7 +24,7 @@ import time
 from kfit_ps import constants
 
 KINDS = {  # kind: what it says, and who writes it (the docs print this table).
-    "start": "launcher: the job started (`pid`, `tasks`: the tasks of this host)",
+    "start": "launcher: the job started (`pid`: the launcher's)",
     "task_lost": "launcher: a task's process ended (`status`: its exit status, negative for "
                  "the signal that killed it)",
     "task_done": "launcher: a task's process finished its work (`status` 0)",

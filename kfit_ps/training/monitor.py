@@ -354,7 +354,7 @@ def table_stats(model, readings=None):
                     stats[task]["rows"] += int(shard.shape[0])
     if readings is None:
         readings = embeddings.read_tables(model)
-    for shards in readings.values():
+    for _, shards in readings:
         for shard in shards:
             task = _ps_task(shard["device"])
             if task is not None:
