@@ -5,7 +5,6 @@ network namespace when isolation is asked for and possible.
 """
 
 import argparse
-import dataclasses
 import sys
 
 from kfit_ps import constants
@@ -168,15 +167,32 @@ def cmd_manifests(args, parser):
 
 def _default(name):
     """`LaunchConfig`'s default for `name`: the one place launch defaults are set."""
-    from kfit_ps.launch.config import LaunchConfig
+    from kfit_ps.launch.config import LAUNCH_DEFAULTS
 
-    [field] = [f for f in dataclasses.fields(LaunchConfig) if f.name == name]
-    return field.default
+    return LAUNCH_DEFAULTS[name]
 
 
 def _shown(name):
     value = _default(name)
     return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+# The restart and stop flags of `kfit-ps run`: (flag, type, help with its {default}); each
+# flag's default is `LaunchConfig`'s field of the same name.
+_TIMING_FLAGS = (
+    ("--max-restarts", int, "restarts allowed per task before the job fails ({default})"),
+    ("--backoff", float, "seconds before a task's first restart; doubles with each further "
+                         "one ({default})"),
+    ("--max-backoff", float, "longest wait before a restart, in seconds ({default})"),
+    ("--healthy-period", float, "seconds without a failure after which a task's restart "
+                                "budget is full again ({default})"),
+    ("--grace", float, "seconds the chief gets after SIGTERM to finish its steps in flight "
+                       "and write a final backup ({default}; Kubernetes allows 30 unless "
+                       "told otherwise)"),
+    ("--liveness-timeout", float, "seconds a server may accept connections without "
+                                  "answering before it is killed and restarted ({default}; "
+                                  "0: off)"),
+)
 
 
 def add_parsers(sub):
@@ -189,26 +205,10 @@ def add_parsers(sub):
                      default=constants.env_int(constants.WORKERS_ENV, _default("num_workers")))
     run.add_argument("--ps", type=int,
                      default=constants.env_int(constants.PS_ENV, _default("num_ps")))
-    run.add_argument("--max-restarts", type=int, default=_default("max_restarts"),
-                     help="restarts allowed per task before the job fails "
-                          f"(default {_shown('max_restarts')})")
-    run.add_argument("--backoff", type=float, default=_default("backoff"),
-                     help="seconds before a task's first restart; doubles with each further "
-                          f"one (default {_shown('backoff')})")
-    run.add_argument("--max-backoff", type=float, default=_default("max_backoff"),
-                     help="longest wait before a restart, in seconds "
-                          f"(default {_shown('max_backoff')})")
-    run.add_argument("--healthy-period", type=float, default=_default("healthy_period"),
-                     help="seconds without a failure after which a task's restart budget is "
-                          f"full again (default {_shown('healthy_period')})")
-    run.add_argument("--grace", type=float, default=_default("grace"),
-                     help="seconds the chief gets after SIGTERM to finish its steps in flight "
-                          f"and write a final backup (default {_shown('grace')}; Kubernetes "
-                          "allows 30 unless told otherwise)")
-    run.add_argument("--liveness-timeout", type=float, default=_default("liveness_timeout"),
-                     help="seconds a server may accept connections without answering before "
-                          f"it is killed and restarted (default {_shown('liveness_timeout')}; "
-                          "0: off)")
+    for flag, kind, what in _TIMING_FLAGS:
+        field = flag[2:].replace("-", "_")
+        run.add_argument(flag, type=kind, default=_default(field),
+                         help=what.format(default=f"default {_shown(field)}"))
     run.add_argument("--backup-dir", default=None,
                      help="fit backs up here and resumes from it after a restart")
     run.add_argument("--save-freq", default=_default("save_freq"), type=_save_freq,

@@ -129,3 +129,8 @@ class LaunchConfig:
         fields = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
                   if getattr(self, f.name) != f.default or f.name == "command"]
         return f"LaunchConfig({', '.join(fields)})"
+
+
+# Every launch default, from the fields above: `kfit-ps run`'s flags and the Kubernetes
+# manifests (`launch.manifests`) take theirs from here.
+LAUNCH_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LaunchConfig)}

@@ -45,6 +45,7 @@ import json
 import re
 
 from kfit_ps import exit_status, validation
+from kfit_ps.launch.config import LAUNCH_DEFAULTS
 
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 LABEL = "kfit-ps/job"
@@ -100,8 +101,8 @@ class ManifestConfig:
     name: str
     image: str
     command: tuple
-    num_workers: int = 2
-    num_ps: int = 1
+    num_workers: int = LAUNCH_DEFAULTS["num_workers"]
+    num_ps: int = LAUNCH_DEFAULTS["num_ps"]
     evaluator_command: tuple = None
     namespace: str = "default"
     port: int = 2222
@@ -109,9 +110,9 @@ class ManifestConfig:
     mount_path: str = "/shared"
     backup_dir: str = None
     save_freq: object = 100
-    max_restarts: int = 3
+    max_restarts: int = LAUNCH_DEFAULTS["max_restarts"]
     backoff_limit: int = 6
-    grace: int = 20
+    grace: int = int(LAUNCH_DEFAULTS["grace"])
     status_port: int = 9400
     scraper: dict = dataclasses.field(
         default_factory=lambda: {"app.kubernetes.io/name": "prometheus"})
