@@ -92,11 +92,12 @@ def test_under_the_launcher_a_local_cluster_is_the_launchers_and_starts_nothing(
     monkeypatch.setenv(constants.LAUNCHED_ENV, "1")
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster,
                                                 "task": {"type": "chief", "index": 0}}))
-    before = set(helpers.server_pids())
+    session = os.environ["KFIT_PS_TEST_SESSION"]  # (another test file may run at once)
+    before = set(helpers.server_pids(session=session))
     local = LocalCluster(num_workers=2, num_ps=2).start()
     assert local.adopted and (local.num_workers, local.num_ps) == (3, 1)
     assert local.cluster_resolver.cluster_spec().as_dict() == cluster
-    assert local.pids() == [] and set(helpers.server_pids()) == before
+    assert local.pids() == [] and set(helpers.server_pids(session=session)) == before
     for call in (lambda: local.kill("worker", 0), lambda: local.restart("worker", 0),
                  lambda: local.resize_workers(4)):
         with pytest.raises(RuntimeError, match="the servers are the launcher's.*kfit-ps scale"):

@@ -24,12 +24,15 @@ ended. The zygote has one thread when it forks.
 Set `KFIT_PS_TEST_FORK=0` to start every chief with `python -c` instead.
 """
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 # Read when TensorFlow, Keras or Python start: a chief that needs other values is not forked.
 IMPORT_SETTINGS = ("KERAS_BACKEND", "TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS",
@@ -142,9 +145,12 @@ class Zygote:
 
     def _read(self):
         for line in self._proc.stdout:
-            if not line.startswith("{"):
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue  # Not the protocol: something the imports printed.
+            if not isinstance(message, dict):
                 continue
-            message = json.loads(line)
             if message.get("ready"):
                 self._ready.set()
                 continue
@@ -157,8 +163,9 @@ class Zygote:
                     slot[key] = message[key]
                     slot[key + "_set"].set()
         self._ready.set()
-        with self._lock:  # The zygote ended: nobody will answer.
+        with self._lock:  # The zygote ended: nobody will answer (its chiefs run on).
             for slot in self._waiting.values():
+                slot["lost"] = True
                 slot["pid_set"].set()
                 slot["status_set"].set()
 
@@ -166,8 +173,8 @@ class Zygote:
         return self._proc.poll() is None
 
     def run(self, code, env, stdout, stderr):
-        """Forks a chief that runs `code` and writes to the FIFOs `stdout` and `stderr`;
-        returns a `Forked` handle."""
+        """Asks for a chief that runs `code` and writes to the FIFOs `stdout` and `stderr`;
+        returns its `Forked` handle at once (its pid comes with `Forked.started`)."""
         if not self._ready.wait(self.READY_SECONDS) or not self.alive():
             raise RuntimeError(f"the chief zygote did not start (alive: {self.alive()}); its "
                                f"log: {self.log.name}")
@@ -179,9 +186,6 @@ class Zygote:
             self._proc.stdin.write(json.dumps({"id": request_id, "code": code, "env": env,
                                                "stdout": stdout, "stderr": stderr}) + "\n")
             self._proc.stdin.flush()
-        if not slot["pid_set"].wait(self.FORK_SECONDS) or "pid" not in slot:
-            raise RuntimeError(f"the chief zygote did not fork (alive: {self.alive()}); its "
-                               f"log: {self.log.name}")
         return Forked(self, request_id, slot)
 
     def forget(self, request_id):
@@ -197,28 +201,55 @@ class Zygote:
                 self._proc.kill()
                 self._proc.wait()
         self.log.close()
-        os.unlink(self.log.name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.log.name)
 
 
 class Forked:
-    """A chief forked by the zygote: its pid, and its return code once it ended."""
+    """A chief asked of the zygote: its pid once forked, its return code once it ended."""
 
     def __init__(self, zygote, request_id, slot):
         self._zygote, self._id, self._slot = zygote, request_id, slot
-        self.pid = slot["pid"]
+
+    @property
+    def pid(self):
+        return self._slot.get("pid")
+
+    def started(self, timeout):
+        """Waits until it was forked; RuntimeError if it was not within `timeout` s."""
+        if not self._slot["pid_set"].wait(timeout) or self.pid is None:
+            raise RuntimeError(f"the chief zygote did not fork (alive: {self._zygote.alive()}); "
+                               f"its log: {self._zygote.log.name}")
 
     def wait(self, timeout):
-        """The return code (negative for a signal); None if it still runs after `timeout`."""
+        """The return code (negative for a signal); None if it still runs after `timeout`;
+        RuntimeError if the zygote died (nobody can tell its status: it is killed)."""
         if not self._slot["status_set"].wait(timeout):
             return None
         self._zygote.forget(self._id)
-        return self._slot.get("status", -1)
+        if self._slot.get("lost"):
+            self.stop()
+            raise RuntimeError(f"the chief zygote died while chief {self.pid} ran; its log: "
+                               f"{self._zygote.log.name}")
+        return self._slot["status"]
 
-    def kill(self):
-        try:
-            os.kill(self.pid, 9)
-        except ProcessLookupError:
-            pass
+    def stop(self, timeout=30):
+        """Kills it (once forked, waiting a little for that) and waits until it is gone."""
+        if self.pid is None:
+            self._slot["pid_set"].wait(10)
+        if self.pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        deadline = time.monotonic() + timeout  # Reaped by the zygote, or by init without it.
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{self.pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        return
+            except (FileNotFoundError, ProcessLookupError):
+                return
+            time.sleep(0.05)
 
 
 class _Drain:
@@ -234,8 +265,8 @@ class _Drain:
             for chunk in iter(lambda: pipe.read1(1 << 16), b""):
                 self.chunks.append(chunk)
 
-    def text(self, timeout):
-        self._thread.join(timeout)
+    def text(self, deadline):
+        self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive():
             try:  # Nobody opened it (the fork failed): an end of file for the reader.
                 os.close(os.open(self.path, os.O_WRONLY | os.O_NONBLOCK))
@@ -260,6 +291,8 @@ def enabled(env):
 def _get(env, cwd):
     with _zygote_lock:
         if not _zygotes or not _zygotes[0].alive():
+            for dead in _zygotes:
+                dead.close()
             _zygotes[:] = [Zygote(env, cwd)]
         return _zygotes[0]
 
@@ -275,18 +308,19 @@ def run(code, env, cwd, timeout):
         chief = None
         try:
             chief = _get(env, cwd).run(code, env, *paths)
+            chief.started(Zygote.FORK_SECONDS)
             status = chief.wait(timeout)
         except BaseException:
-            if chief is not None:
-                chief.kill()
-                chief.wait(30)
+            if chief is not None:  # Interrupted, or not forked in time: nobody watches it.
+                chief.stop()
+            deadline = time.monotonic() + 1
             for drain in drains:
-                drain.text(1)
+                drain.text(deadline)
             raise
         if status is None:
-            chief.kill()
-            chief.wait(30)
-        stdout, stderr = (drain.text(30) for drain in drains)
+            chief.stop()
+        deadline = time.monotonic() + 30  # One bound for both pipes (a grandchild may hold one).
+        stdout, stderr = (drain.text(deadline) for drain in drains)
     if status is None:
         raise subprocess.TimeoutExpired(["chief"], timeout, output=stdout, stderr=stderr)
     return subprocess.CompletedProcess(["chief"], status, stdout, stderr)

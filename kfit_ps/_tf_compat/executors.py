@@ -26,10 +26,10 @@ _install_lock = threading.Lock()
 
 def _quiet_del(stock):
     @functools.wraps(stock)
-    def __del__(self):
+    def __del__(self, _op_error=tf.errors.OpError):  # Bound now: at exit `tf` may be gone.
         try:
             stock(self)
-        except tf.errors.OpError:
+        except _op_error:
             pass  # Its ops' task was lost; the coordinator reported that already.
 
     __del__._kfit_ps_stock = stock

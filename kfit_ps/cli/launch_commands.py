@@ -268,8 +268,8 @@ def add_parsers(sub):
                     "PodDisruptionBudgets and a NetworkPolicy; apply with `kubectl apply -f -`.")
     manifests.add_argument("--name", required=True, help="the job's name (a DNS label)")
     manifests.add_argument("--image", required=True, help="container image")
-    manifests.add_argument("--workers", type=int, default=2)
-    manifests.add_argument("--ps", type=int, default=1)
+    manifests.add_argument("--workers", type=int, default=_default("num_workers"))
+    manifests.add_argument("--ps", type=int, default=_default("num_ps"))
     manifests.add_argument("--namespace", default="default")
     manifests.add_argument("--port", type=int, default=2222)
     manifests.add_argument("--claim", default=None,
@@ -278,10 +278,11 @@ def add_parsers(sub):
                            help="the chief's --backup-dir (default /shared/backup with --claim)")
     manifests.add_argument("--save-freq", default=100, type=_save_freq,
                            help="the chief's backup frequency (default 100 steps)")
-    manifests.add_argument("--max-restarts", type=int, default=3)
-    manifests.add_argument("--grace", type=int, default=20,
-                           help="seconds the chief gets after SIGTERM to save (default 20); "
-                                "its pod's terminationGracePeriodSeconds is this + 10")
+    manifests.add_argument("--max-restarts", type=int, default=_default("max_restarts"))
+    manifests.add_argument("--grace", type=int, default=int(_default("grace")),
+                           help="seconds the chief gets after SIGTERM to save (default "
+                                f"{_shown('grace')}); its pod's terminationGracePeriodSeconds "
+                                "is this + 10")
     manifests.add_argument("--evaluator", default=None,
                            help='the evaluator\'s command, e.g. "kfit-ps evaluator '
                                 '--checkpoint-dir /shared/ckpt --model-fn m:f --data-fn m:g"')

@@ -71,13 +71,13 @@ def condensed(error):
         return error
     task = _REMOTE_TASK.search(message)
     local, _, _ = message.partition(_GRPC_TAIL)
-    frames, lines, collecting = [], [], False
+    frames, lines, collecting, listings = [], [], False, 0
     for line in local.splitlines():
         stripped = line.strip()
         detected = _DEFINED_AT.match(stripped)
         frame = _FRAME.match(line)
-        if detected:  # The first listing is kept; TensorFlow repeats it.
-            collecting = not frames
+        if detected:  # The first listing is kept (even when unavailable); TensorFlow repeats it.
+            collecting, listings = listings == 0, listings + 1
         elif stripped == _NO_STACK:  # A listing TensorFlow did not record (seen under load).
             continue
         elif frame:
