@@ -12,6 +12,7 @@ from keras.src.backend.tensorflow import core as keras_tf_core
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 
 from kfit_ps import _tf_compat
+from tests import helpers
 from kfit_ps._tf_compat import keras_trainer, versions
 
 
@@ -591,3 +592,39 @@ def test_dataset_ops_and_external_state_are_read_from_the_serialized_pipeline():
     generated = tf.data.Dataset.from_generator(lambda: iter([1, 2]),
                                                output_signature=tf.TensorSpec((), tf.int64))
     assert _tf_compat.external_state(generated)
+
+
+def test_coordinators_are_quiesced_before_exit_and_a_held_recovery_lock_cannot_hang_it():
+    """A chief that printed its result never exited: at finalization a worker-recovery thread
+    was frozen holding its lock, and the coordinator's `__del__` waited on it. `quiesce_all`
+    (an atexit hook) ends the recovery threads first, and never waits without bound."""
+    result = helpers.run_chief("""
+        import threading
+        from kfit_ps._tf_compat import eager_context
+        with kfit_ps.LocalCluster(num_workers=1, num_ps=1) as cluster:
+            strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+            handler = strategy.coordinator._cluster.failure_handler
+            thread = handler._preemption_handler_thread
+            held, release = threading.Event(), threading.Event()
+
+            def hold():  # A recovery that does not end (a thread frozen in it).
+                with handler._cluster_update_lock:
+                    held.set()
+                    release.wait()
+
+            threading.Thread(target=hold, daemon=True).start()
+            held.wait()
+            started = time.monotonic()
+            eager_context.quiesce_all(wait=1.0)
+            waited = time.monotonic() - started
+            started = time.monotonic()
+            strategy.coordinator._cluster.stop()  # What its __del__ runs at exit.
+            stopped = time.monotonic() - started
+            release.set()
+            registered = bool(eager_context._at_exit)
+            report(waited=waited, stopped=stopped, registered=registered,
+                   thread_alive=thread.is_alive())
+        os._exit(0)
+    """)
+    assert result["registered"]
+    assert 1.0 <= result["waited"] < 5 and result["stopped"] < 1, result

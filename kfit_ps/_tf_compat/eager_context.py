@@ -20,8 +20,17 @@ coordinator's `__del__`, which garbage collection may run, takes the
 handler's lock). If a recovery does not finish in time (its worker never
 came back), the disconnect is skipped: some log noise at exit, never a
 crash or a hang.
+
+At interpreter exit the same holds: Python freezes daemon threads once it
+finalizes, and a handler thread frozen inside a recovery keeps its lock, so the
+coordinator's `__del__` (run by the final garbage collection) would wait for it
+forever (seen: a chief that printed its result and never exited, after a worker
+was lost during its last `evaluate`). An `atexit` hook, which runs before that
+freeze, quiesces every tracked coordinator; one whose recovery does not end in
+time gets a `stop` that does not wait.
 """
 
+import atexit
 import gc
 import logging
 import queue
@@ -37,12 +46,30 @@ log = logging.getLogger("kfit_ps.cluster")
 
 _coordinators = weakref.WeakSet()
 _RECOVERY_WAIT_SECONDS = 10.0
+_EXIT_WAIT_SECONDS = 30.0
+_at_exit = []
 
 
 def track_coordinator(coordinator):
-    """Remembers a `ClusterCoordinator` so `forget_servers` can quiesce it first."""
+    """Remembers a `ClusterCoordinator` so `forget_servers` can quiesce it first, and so
+    that it is quiesced before the interpreter exits (`quiesce_all`)."""
     _coordinators.add(coordinator)
+    if not _at_exit:
+        _at_exit.append(atexit.register(quiesce_all))
     return coordinator
+
+
+def quiesce_all(wait=_EXIT_WAIT_SECONDS):
+    """Quiesces every tracked coordinator (an `atexit` hook: before Python freezes daemon
+    threads); one whose recovery thread did not end within `wait` s gets a `stop` that
+    does not wait for its lock, so its `__del__` cannot hang the exit."""
+    deadline = time.monotonic() + wait
+    for coordinator in list(_coordinators):
+        try:
+            if not quiesce(coordinator, deadline):
+                coordinator._cluster.failure_handler.stop = lambda: None
+        except Exception as e:  # noqa: BLE001 - an exit hook: never stop the exit
+            log.debug("kfit_ps: could not quiesce a coordinator at exit: %s", e)
 
 
 def _remote_addresses(server_def):
