@@ -82,18 +82,3 @@ def children_reaped():
     left = sorted(servers() - before)
     assert left == [], f"server processes left by the test: {left}"
 
-
-# The files that take longest (each 2 to 7 minutes of the suite on 2 cores), run first: with two
-# files at a time (pytest-xdist, `--dist loadfile`), the short ones then fill in and the two
-# workers end together instead of one waiting for the other's long file.
-LONGEST_FIRST = ("test_launcher.py", "test_bench.py", "test_fault_tolerance.py",
-                 "test_fault_matrix.py", "test_multi_host.py", "test_main_job.py",
-                 "test_observability.py", "test_dynamic_embeddings.py")
-
-
-def pytest_collection_modifyitems(session, config, items):
-    def rank(item):
-        name = item.path.name
-        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)  # Stable: each file keeps its own order.

@@ -99,7 +99,8 @@ class Reference:
 
 def _compare(model, reference, read_rows, ids):
     np.testing.assert_allclose(read_rows(ids), np.stack([reference.row(i) for i in ids]),
-                               rtol=0, atol=1e-6)
+                               rtol=0, atol=1e-5)  # float32 order of summation: 2.6e-6 seen
+                                                   # (the lazy rule's misses are 0.08 or more)
     kernel, bias = model.get_layer("head").get_weights()
     np.testing.assert_allclose(kernel, reference.kernel.numpy(), rtol=0, atol=1e-6)
     np.testing.assert_allclose(bias, reference.bias.numpy(), rtol=0, atol=1e-6)
