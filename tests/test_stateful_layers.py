@@ -31,14 +31,17 @@ def constant_dataset_fn(value=5.0, batch=8):
 def test_batch_norm_keeps_every_workers_update(strategy, steps_per_execution):
     """Constant input 5.0, momentum 0.99: after 200 steps on 2 workers each moving statistic
     was averaged 200 times (Keras' read-then-assign kept 135-147 of them), and each seed
-    generator advanced 200 times."""
+    generator advanced 200 times. The step takes four critical sections (the renorm
+    variance, three seed generators) on both ps: at `steps_per_execution=10` two workers
+    each held one while waiting for another until they were taken one at a time."""
     with strategy.scope():
         inputs = keras.Input((1,))
         plain = keras.layers.BatchNormalization(momentum=MOMENTUM, name="plain")
         renorm = keras.layers.BatchNormalization(
             momentum=MOMENTUM, renorm=True, renorm_momentum=MOMENTUM, name="renorm")
-        dropout = keras.layers.Dropout(0.5, seed=3)
-        outputs = keras.layers.Add()([plain(inputs), renorm(inputs), dropout(inputs)])
+        dropouts = [keras.layers.Dropout(0.5, seed=seed) for seed in (3, 4, 5)]
+        outputs = keras.layers.Add()(
+            [plain(inputs), renorm(inputs)] + [dropout(inputs) for dropout in dropouts])
         model = keras.Model(inputs, outputs)
         model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse",
                       steps_per_execution=steps_per_execution)
@@ -58,8 +61,8 @@ def test_batch_norm_keeps_every_workers_update(strategy, steps_per_execution):
     # moving_variance follows the updated moving_stddev.
     expected = max(float(renorm.moving_stddev.numpy()[0]) ** 2 - renorm.epsilon, 0.0)
     assert renorm.moving_variance.numpy()[0] == pytest.approx(expected, rel=1e-5, abs=1e-7)
-    seed_state = dropout.seed_generator.state.numpy().tolist()
-    assert seed_state == [3, STEPS]
+    seed_states = [dropout.seed_generator.state.numpy().tolist() for dropout in dropouts]
+    assert seed_states == [[3, STEPS], [4, STEPS], [5, STEPS]]
 
 
 def test_dropout_masks_are_distinct_across_workers_and_steps(strategy):

@@ -15,14 +15,29 @@ A `tf.CriticalSection` created eagerly takes its mutex's shared name from its
 `name`, as given (eager name scopes are not made unique): two tables' `lock_0`
 on one ps, or a rebuilt model's, were one mutex, and a step that updated two
 tables waited on itself for ever. `critical_section` names each mutex with a
-UUID as well.
+UUID as well. `section_for` keeps one per owner (a layer, a seed generator) and
+makes a new one once the guarded variable's resource is new (a ps recovered in
+place makes its variables, and with them its resources, again).
+
+`execute_in_order` runs a critical section only after the previous one traced
+into the same graph has released its lock, so a function holds one lock at a
+time. `CriticalSection.execute` orders a lock after the previous lock's
+*acquisition* only: a step function with two sections (two seed generators,
+a renorm layer and a Dropout, two table shards) held one while it waited for
+the other, and two workers running it at `steps_per_execution=10` each held
+the lock the other waited for — the job hung, with nothing printed.
 """
 
+import threading
 import uuid
+import weakref
 
 import tensorflow as tf
 
 from kfit_ps._tf_compat.versions import check_versions
+
+_sections_lock = threading.Lock()
+_released = weakref.WeakKeyDictionary()  # graph -> a tensor after its last section's release
 
 
 class _NamedMutableHashTable(tf.lookup.experimental.MutableHashTable):
@@ -52,3 +67,30 @@ def critical_section(device, name):
     """A `tf.CriticalSection` on `device` whose mutex no other critical section shares."""
     with tf.init_scope(), tf.device(device):
         return tf.CriticalSection(name=name, shared_name=_unique(name))
+
+
+def section_for(owner, inner, name):
+    """`owner`'s critical section on `inner`'s device, made once per resource of `inner`
+    (whichever thread traces first)."""
+    attribute = f"_kfit_ps_section_{name}"
+    with _sections_lock:
+        cached = owner.__dict__.get(attribute)
+        if cached is None or cached[0] is not inner.handle:
+            cached = (inner.handle, critical_section(inner.device, name))
+            owner.__dict__[attribute] = cached
+    return cached[1]
+
+
+def execute_in_order(section, fn, exclusive_resource_access=True):
+    """`section.execute(fn)`, its lock taken after the previous section of the graph
+    being traced released its own (eagerly: at once, as execution is in order)."""
+    if tf.executing_eagerly():
+        return section.execute(fn, exclusive_resource_access=exclusive_resource_access)
+    graph = tf.compat.v1.get_default_graph()
+    with _sections_lock:
+        previous = _released.get(graph)
+    with tf.control_dependencies([] if previous is None else [previous]):
+        outputs = section.execute(fn, exclusive_resource_access=exclusive_resource_access)
+    with _sections_lock:
+        _released[graph] = tf.nest.flatten(outputs)[0]  # after the release (ConsumeMutexLock)
+    return outputs

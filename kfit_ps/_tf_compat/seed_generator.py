@@ -23,25 +23,13 @@ import numpy as np
 import tensorflow as tf
 from keras.src.random.seed_generator import SeedGenerator
 
-from kfit_ps._tf_compat.hash_tables import critical_section
+from kfit_ps._tf_compat.hash_tables import execute_in_order, section_for
 from kfit_ps._tf_compat.keras_variables import is_kfit_variable, storage
 from kfit_ps._tf_compat.metric_scope import writes_through
 from kfit_ps._tf_compat.versions import check_versions
 
-_SECTION = "_kfit_ps_section"  # (the state's handle, its critical section) on a generator
 _install_lock = threading.Lock()
 _installed = False
-
-
-def _section(generator, inner):
-    """The generator's critical section; a new one once the state's resource is new (a ps
-    recovered in place makes the variable again, and with it its ps' resources)."""
-    with _install_lock:  # One per generator, whichever thread traces first.
-        cached = generator.__dict__.get(_SECTION)
-        if cached is None or cached[0] is not inner.handle:
-            cached = (inner.handle, critical_section(inner.device, "seed_generator"))
-            generator.__dict__[_SECTION] = cached
-    return cached[1]
 
 
 def _exact_next(stock):
@@ -65,7 +53,7 @@ def _exact_next(stock):
                 with tf.control_dependencies([update]):
                     return tf.identity(current)
 
-        return _section(self, inner).execute(draw)
+        return execute_in_order(section_for(self, inner, "seed_generator"), draw)
 
     next._kfit_ps_stock = stock
     return next
