@@ -278,6 +278,8 @@ CELLS = [
     ("second-fit", "scale 2-3-2", None),
     ("evaluate", "SIGKILL worker", None),
     ("predict", "SIGKILL ps", "job_restart"),  # Outside fit: no in-place restore.
+    ("training", "SIGKILL ps, then a worker during its restore", "ps_restored"),
+    ("training", "scale to 3, SIGKILL a worker while it joins", None),
 ]
 
 
@@ -303,7 +305,7 @@ def run_and_check(number, phase, fault, recovery, tmp_path):
 
 @pytest.mark.chaos
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # 15 cells of 20-60 s, two at a time; a stuck cell fails on its bounds
+@pytest.mark.timeout(1800)  # 17 cells of 20-60 s, two at a time; a stuck cell fails on its bounds
 def test_fault_matrix(tmp_path):
     only = os.environ.get("KFIT_PS_MATRIX_CELLS")  # "3,5": run those cells (debugging)
     cells = [CELLS[int(i)] for i in only.split(",")] if only else CELLS
