@@ -628,3 +628,40 @@ def test_coordinators_are_quiesced_before_exit_and_a_held_recovery_lock_cannot_h
     """)
     assert result["registered"]
     assert 1.0 <= result["waited"] < 5 and result["stopped"] < 1, result
+
+
+def test_critical_sections_of_a_function_are_taken_one_at_a_time():
+    """Each section's lock waits for the previous section's release (its `ConsumeMutexLock`)
+    in the same graph, and the marker that chains them keeps no traced graph alive."""
+    import gc
+    import weakref
+
+    first = _tf_compat.critical_section("/cpu:0", "first")
+    second = _tf_compat.critical_section("/cpu:0", "second")
+    a, b = tf.Variable(0), tf.Variable(0)
+
+    @tf.function
+    def step():
+        x = _tf_compat.execute_in_order(first, lambda: a.assign_add(1))
+        y = _tf_compat.execute_in_order(second, lambda: b.assign_add(1))
+        return x + y
+
+    graph = step.get_concrete_function().graph
+    locks = [op for op in graph.get_operations() if op.type == "MutexLock"]
+    [release] = [op for op in graph.get_operations() if op.type == "ConsumeMutexLock"
+                 and op.inputs[0].op is locks[0]]
+
+    def ancestors(op, seen):
+        for parent in list(op.control_inputs) + [t.op for t in op.inputs]:
+            if parent not in seen:
+                seen.add(parent)
+                ancestors(parent, seen)
+        return seen
+
+    assert len(locks) == 2 and release in ancestors(locks[1], set())
+    assert int(step()) == 2 and int(step()) == 4  # eager-side: the function still runs
+    assert [int(_tf_compat.execute_in_order(first, lambda: a.assign_add(1)))] == [3]
+    traced = weakref.ref(graph)
+    del graph, step, locks, release
+    gc.collect()
+    assert traced() is None

@@ -20,24 +20,28 @@ makes a new one once the guarded variable's resource is new (a ps recovered in
 place makes its variables, and with them its resources, again).
 
 `execute_in_order` runs a critical section only after the previous one traced
-into the same graph has released its lock, so a function holds one lock at a
-time. `CriticalSection.execute` orders a lock after the previous lock's
-*acquisition* only: a step function with two sections (two seed generators,
-a renorm layer and a Dropout, two table shards) held one while it waited for
-the other, and two workers running it at `steps_per_execution=10` each held
-the lock the other waited for — the job hung, with nothing printed.
+into the same graph has released its lock, so a function holds one of its own
+locks at a time. Without it, `tf.function`'s automatic control dependencies
+chain every release (`ConsumeMutexLock`, stateful with no resource input) in
+trace order, but a lock (`MutexLock`) only after earlier uses of its own
+mutex: an unrolled step k+1 took one section's lock early and its release
+then waited for step k's release of another section's, whose lock the other
+worker held, waiting likewise. With two sections in a step (two seed
+generators, a renorm layer and a Dropout) two workers at
+`steps_per_execution=10` hung in 3 of 4 runs, with nothing printed. Every
+critical section of kfit_ps goes through `execute_in_order`; a plain
+`execute` in the same function would be outside its chain.
 """
 
 import threading
 import uuid
-import weakref
 
 import tensorflow as tf
 
 from kfit_ps._tf_compat.versions import check_versions
 
 _sections_lock = threading.Lock()
-_released = weakref.WeakKeyDictionary()  # graph -> a tensor after its last section's release
+_RELEASED = "_kfit_ps_section_released"  # on a graph: a tensor after its last section's release
 
 
 class _NamedMutableHashTable(tf.lookup.experimental.MutableHashTable):
@@ -83,14 +87,19 @@ def section_for(owner, inner, name):
 
 def execute_in_order(section, fn, exclusive_resource_access=True):
     """`section.execute(fn)`, its lock taken after the previous section of the graph
-    being traced released its own (eagerly: at once, as execution is in order)."""
+    being traced released its own (eagerly: at once, as execution is in order).
+
+    The marker lives on the graph itself: a table keyed by graph whose values are
+    tensors of that graph would keep every traced graph alive."""
     if tf.executing_eagerly():
         return section.execute(fn, exclusive_resource_access=exclusive_resource_access)
     graph = tf.compat.v1.get_default_graph()
-    with _sections_lock:
-        previous = _released.get(graph)
+    previous = getattr(graph, _RELEASED, None)
     with tf.control_dependencies([] if previous is None else [previous]):
         outputs = section.execute(fn, exclusive_resource_access=exclusive_resource_access)
-    with _sections_lock:
-        _released[graph] = tf.nest.flatten(outputs)[0]  # after the release (ConsumeMutexLock)
+    # TensorFlow returns fn's results through identities made after the release.
+    after = [t for t in tf.nest.flatten(outputs, expand_composites=True)
+             if isinstance(t, (tf.Tensor, tf.Operation))]
+    if after:
+        setattr(graph, _RELEASED, after[0])
     return outputs
