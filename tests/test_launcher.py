@@ -94,6 +94,8 @@ class Job:
     def finish(self, timeout=300):
         out, _ = self.proc.communicate(timeout=timeout)
         self.lines.extend(out.splitlines())
+        # What the job printed, kept beside its run directory for a failure's post-mortem.
+        (self.run_dir.parent / "output.txt").write_text("\n".join(self.lines) + "\n")
         return self.proc.returncode
 
     def result(self):

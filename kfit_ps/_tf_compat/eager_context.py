@@ -77,14 +77,25 @@ def _remote_addresses(server_def):
             for address in job.tasks.values()}
 
 
-def _stop_scheduling(coordinator):
-    """TensorFlow's `Cluster.stop()` without its unbounded wait for the handler's lock."""
+def _stop_scheduling(coordinator, deadline):
+    """TensorFlow's `Cluster.stop()` without its unbounded wait for the handler's lock.
+
+    A worker thread waiting for its worker's recovery re-enters the handler's
+    `wait_on_failure` once the worker is back, which asserts that the handler still
+    runs: stopped before, the thread died with a traceback (and a gRPC error) on the
+    chief's output and set an error on a function another worker had finished (seen:
+    a worker killed just before a scale). So the handler is stopped after such
+    recoveries end (until `deadline`); the worker threads take no new work meanwhile.
+    """
     cluster = coordinator._cluster
-    cluster.failure_handler._should_preemption_thread_run = False
     for worker in cluster.workers:
         worker.stop()
     cluster.closure_queue.stop()
     cluster.resource_cancellation_mgr.start_cancel()
+    while (any(worker._is_dead_with_error for worker in cluster.workers)
+           and time.monotonic() < deadline):
+        time.sleep(0.05)
+    cluster.failure_handler._should_preemption_thread_run = False
     return cluster.failure_handler
 
 
@@ -120,7 +131,7 @@ def quiesce(coordinator, deadline):
 
     After this, nothing of `coordinator` updates the eager context's cluster.
     """
-    return _end_handler_thread(_stop_scheduling(coordinator), deadline)
+    return _end_handler_thread(_stop_scheduling(coordinator, deadline), deadline)
 
 
 def forget_servers(addresses, recovery_wait=_RECOVERY_WAIT_SECONDS):
@@ -136,8 +147,8 @@ def forget_servers(addresses, recovery_wait=_RECOVERY_WAIT_SECONDS):
     server_def = ctx.get_server_def()
     if server_def is None or not _remote_addresses(server_def) & set(addresses):
         return False
-    handlers = [_stop_scheduling(c) for c in list(_coordinators)]
     deadline = time.monotonic() + recovery_wait
+    handlers = [_stop_scheduling(c, deadline) for c in list(_coordinators)]
     if not all(_end_handler_thread(h, deadline) for h in handlers):
         log.debug("kfit_ps: a worker recovery is still running; not disconnecting")
         return False
