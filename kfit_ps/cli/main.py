@@ -39,14 +39,14 @@ def _require_positive(parser, *flags):
 
 def _cmd_quickstart(args, parser):
     from kfit_ps._setup import prepare_training
-    from kfit_ps.jobs.quickstart import QuickstartConfig, run
+    from kfit_ps.jobs.quickstart import QUICKSTART_FLAGS, QuickstartConfig, run
 
-    _require_positive(parser, ("--workers", args.workers), ("--ps", args.ps),
-                      ("--epochs", args.epochs), ("--steps-per-epoch", args.steps_per_epoch))
+    _require_positive(parser, *((flag, getattr(args, name))
+                                for name, (flag, _) in QUICKSTART_FLAGS.items()
+                                if name != "verbose"))
     if not constants.launched():  # Under `kfit-ps run`, its servers: their network decides.
         launch_commands.network(args.network, args.argv)
-    config = QuickstartConfig(num_workers=args.workers, num_ps=args.ps, epochs=args.epochs,
-                              steps_per_epoch=args.steps_per_epoch, verbose=args.verbose)
+    config = QuickstartConfig(**{name: getattr(args, name) for name in QUICKSTART_FLAGS})
     print(f"kfit-ps quickstart: {config}", flush=True)
     prepare_training()  # Once the flags are checked: this loads TensorFlow and Keras.
     results = run(config)
@@ -182,11 +182,15 @@ def build_parser():
     sub = parser.add_subparsers(dest="command", required=True)
 
     quick = sub.add_parser("quickstart", help="train the demo recommendation model locally")
-    quick.add_argument("--workers", type=int, default=constants.env_int(constants.WORKERS_ENV, 2))
-    quick.add_argument("--ps", type=int, default=constants.env_int(constants.PS_ENV, 2))
-    quick.add_argument("--epochs", type=int, default=3)
-    quick.add_argument("--steps-per-epoch", type=int, default=100)
-    quick.add_argument("--verbose", type=int, default=1, choices=(0, 1, 2))
+    from kfit_ps.jobs.quickstart import QUICKSTART_FLAGS  # Its defaults; no TensorFlow.
+
+    from_env = {"num_workers": constants.WORKERS_ENV, "num_ps": constants.PS_ENV}
+    for name, (flag, default) in QUICKSTART_FLAGS.items():
+        if name in from_env:
+            default = constants.env_int(from_env[name], default)
+        quick.add_argument(flag, dest=name, metavar=flag[2:].upper().replace("-", "_"),
+                           type=int, default=default,
+                           choices=(0, 1, 2) if name == "verbose" else None)
     quick.add_argument("--network", choices=("isolated", "host"), default="isolated",
                        help="isolated (default where possible): servers in a private network "
                             "namespace; host: this machine's network")

@@ -12,33 +12,47 @@ import dataclasses
 import tempfile
 import time
 
-from kfit_ps import validation
+
+def _flag(default, flag):
+    """A setting `kfit-ps quickstart` takes as `flag`; the CLI's default is `default`."""
+    return dataclasses.field(default=default, metadata={"flag": flag})
 
 
 @dataclasses.dataclass(frozen=True)
 class QuickstartConfig:
-    """Settings of the main job (each is a `kfit-ps quickstart` flag)."""
+    """Settings of the main job; those with a `flag` are `kfit-ps quickstart`'s flags, whose
+    defaults are these (`QUICKSTART_FLAGS`)."""
 
-    num_workers: int = 2
-    num_ps: int = 2
-    epochs: int = 3
-    steps_per_epoch: int = 100
+    num_workers: int = _flag(2, "--workers")
+    num_ps: int = _flag(2, "--ps")
+    epochs: int = _flag(3, "--epochs")
+    steps_per_epoch: int = _flag(100, "--steps-per-epoch")
     batch_size: int = 256
     num_examples: int = 100_000
     steps_per_execution: int = 5
-    verbose: int = 1
+    verbose: int = _flag(1, "--verbose")
     seed: int = 0
 
     def __post_init__(self):
+        from kfit_ps import validation  # numpy: not for the CLI, which reads the flags here
+
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             minimum = 0 if field.name in ("verbose", "seed") else 1
             validation.check_int(field.name, value, minimum, owner="QuickstartConfig")
 
 
-def run(config=QuickstartConfig()):
-    """Trains on a fresh LocalCluster (or `kfit-ps run`'s cluster); returns held-out metrics."""
+# field name -> (flag, default): the settings `kfit-ps quickstart` takes.
+QUICKSTART_FLAGS = {field.name: (field.metadata["flag"], field.default)
+                    for field in dataclasses.fields(QuickstartConfig) if "flag" in field.metadata}
+
+
+def run(config=None):
+    """Trains on a fresh LocalCluster (or `kfit-ps run`'s cluster) with `config` (default
+    `QuickstartConfig()`); returns held-out metrics."""
     import tensorflow as tf
+
+    config = QuickstartConfig() if config is None else config
 
     workdir = tempfile.mkdtemp(prefix="kfit_ps_quickstart_")
     try:

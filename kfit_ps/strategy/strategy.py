@@ -194,25 +194,14 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         self._worker_addresses = addresses
         return _tf_compat.track_coordinator(coordinator)
 
-    @property
-    def num_workers(self):
-        """Number of worker tasks in the cluster."""
-        return self._num_workers
-
-    @property
-    def num_ps(self):
-        """Number of ps tasks in the cluster."""
-        return self._num_ps
-
-    @property
-    def worker_addresses(self):
-        """The workers' `host:port` addresses, in task order."""
-        return self._worker_addresses
-
-    @property
-    def worker_timeout(self):
-        """Seconds to wait while every worker is unreachable (see `__init__`)."""
-        return self._worker_timeout
+    num_workers = property(lambda self: self._num_workers,
+                           doc="Number of worker tasks in the cluster.")
+    num_ps = property(lambda self: self._num_ps, doc="Number of ps tasks in the cluster.")
+    worker_addresses = property(lambda self: self._worker_addresses,
+                                doc="The workers' `host:port` addresses, in task order.")
+    worker_timeout = property(lambda self: self._worker_timeout,
+                              doc="Seconds to wait while every worker is unreachable "
+                                  "(see `__init__`).")
 
 
 def wait_for_servers(spec, timeout):
