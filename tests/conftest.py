@@ -13,6 +13,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ["KFIT_PS_TEST_SESSION"] = str(os.getpid())
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import collections  # noqa: E402
 import shutil  # noqa: E402
 
 import psutil  # noqa: E402
@@ -82,3 +83,18 @@ def children_reaped():
     left = sorted(servers() - before)
     assert left == [], f"server processes left by the test: {left}"
 
+
+
+
+# The order test files start in (pyproject's addopts turn xdist's own reordering off): the fault
+# matrix first, a single test of about 7 minutes that no other worker can share (xdist's order,
+# the files with the most tests first, started it last, and the suite ended on it alone for
+# minutes), then the files with the most tests first, as xdist orders them (the longest files
+# first measured slower: two heavy files at once).
+FIRST = ("tests/test_fault_matrix.py",)
+
+
+def pytest_collection_modifyitems(items):
+    path = lambda item: item.nodeid.split("::", 1)[0]  # noqa: E731
+    tests_in = collections.Counter(path(item) for item in items)
+    items.sort(key=lambda item: (path(item) not in FIRST, -tests_in[path(item)]))

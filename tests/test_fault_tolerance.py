@@ -266,11 +266,13 @@ os._exit(0)
 @pytest.mark.slow
 def test_leaving_the_cluster_while_a_worker_recovers_never_crashes():
     """The chief segfaulted (1 run in 5 here, under load) when `LocalCluster.stop()` updated the
-    eager cluster while TensorFlow's coordinator was recovering a restarted worker."""
+    eager cluster while TensorFlow's coordinator was recovering a restarted worker. One core is
+    kept busy (the suite's other test files load the rest; two burners took 300 core-seconds
+    from them)."""
     import sys
 
     burners = [helpers.popen([sys.executable, "-c", "import time\nend = time.time() + 150\n"
-                                 "while time.time() < end: pass"]) for _ in range(2)]
+                                 "while time.time() < end: pass"])]
     try:
         for _ in range(5):
             result = helpers.run_chief(RESTART_THEN_LEAVE, timeout=150)

@@ -632,7 +632,8 @@ def test_coordinators_are_quiesced_before_exit_and_a_held_recovery_lock_cannot_h
 
 def test_critical_sections_of_a_function_are_taken_one_at_a_time():
     """Each section's lock waits for the previous section's release (its `ConsumeMutexLock`)
-    in the same graph, and the marker that chains them keeps no traced graph alive."""
+    in the same graph, and the marker that chains them keeps no traced graph alive (nor does
+    autograph: converting the sections' `execute` kept the graph)."""
     import gc
     import weakref
 
@@ -642,8 +643,8 @@ def test_critical_sections_of_a_function_are_taken_one_at_a_time():
 
     @tf.function
     def step():
-        x = _tf_compat.execute_in_order(first, lambda: a.assign_add(1))
-        y = _tf_compat.execute_in_order(second, lambda: b.assign_add(1))
+        x = first.execute(lambda: a.assign_add(1))
+        y = second.execute(lambda: b.assign_add(1))
         return x + y
 
     graph = step.get_concrete_function().graph
@@ -660,7 +661,7 @@ def test_critical_sections_of_a_function_are_taken_one_at_a_time():
 
     assert len(locks) == 2 and release in ancestors(locks[1], set())
     assert int(step()) == 2 and int(step()) == 4  # eager-side: the function still runs
-    assert [int(_tf_compat.execute_in_order(first, lambda: a.assign_add(1)))] == [3]
+    assert [int(first.execute(lambda: a.assign_add(1)))] == [3]
     traced = weakref.ref(graph)
     del graph, step, locks, release
     gc.collect()

@@ -33,7 +33,7 @@ from kfit_ps._tf_compat.executors import install_quiet_executor_teardown
 from kfit_ps._tf_compat.seed_generator import install_exact_seed_generator
 from kfit_ps._tf_compat.metric_scope import LocalStateScope
 from kfit_ps._tf_compat.pinned_variables import pinned_variable
-from kfit_ps._tf_compat.hash_tables import critical_section, execute_in_order, hash_table
+from kfit_ps._tf_compat.hash_tables import critical_section, hash_table
 from kfit_ps._tf_compat.keras_data import (class_weight_map_fn, class_weight_to_sample_weights,
                                           train_validation_split)
 from kfit_ps._tf_compat.read_cache import CachedReadScope
@@ -94,7 +94,6 @@ __all__ = [
     "install_sharding_support",
     "optimizer_slots",
     "critical_section",
-    "execute_in_order",
     "class_weight_map_fn",
     "class_weight_to_sample_weights",
     "train_validation_split",

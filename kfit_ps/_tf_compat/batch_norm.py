@@ -35,7 +35,7 @@ import threading
 import tensorflow as tf
 from keras.src.layers.normalization.batch_normalization import BatchNormalization
 
-from kfit_ps._tf_compat.hash_tables import execute_in_order, section_for
+from kfit_ps._tf_compat.hash_tables import section_for
 from kfit_ps._tf_compat.keras_variables import is_kfit_variable, redirected_assigns, storage
 from kfit_ps._tf_compat.versions import check_versions
 
@@ -83,7 +83,7 @@ def _stddev_and_variance(layer, stddev):
 
     if not (getattr(source, "device", None) and getattr(target, "device", None)):
         return update()  # a ShardedVariable: no one ps to lock on
-    return execute_in_order(section_for(layer, source, "batch_norm_stddev"), update)
+    return section_for(layer, source, "batch_norm_stddev").execute(update)
 
 
 def _handlers(layer):

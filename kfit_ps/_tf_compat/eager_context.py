@@ -14,7 +14,8 @@ two concurrent updates crash the process (a segfault, seen when a
 `LocalCluster` stopped right after a worker was restarted). So
 `forget_servers` first stops every coordinator this process made
 (`track_coordinator`) from starting more work, then ends each handler's
-thread (taking its lock waits, bounded, for a recovery in progress), and
+thread (taking its lock waits, bounded, for a recovery in progress) and its
+worker threads (a function running on a cluster being replaced), and
 only then releases functions and updates the cluster, with no lock held (a
 coordinator's `__del__`, which garbage collection may run, takes the
 handler's lock). If a recovery does not finish in time (its worker never
@@ -31,9 +32,11 @@ time gets a `stop` that does not wait.
 """
 
 import atexit
+import contextlib
 import gc
 import logging
 import queue
+import threading
 import time
 import weakref
 
@@ -66,7 +69,7 @@ def quiesce_all(wait=_EXIT_WAIT_SECONDS):
     deadline = time.monotonic() + wait
     for coordinator in list(_coordinators):
         try:
-            if not quiesce(coordinator, deadline):
+            if not quiesce(coordinator, deadline, workers_too=False):  # Only the lock matters.
                 coordinator._cluster.failure_handler.stop = lambda: None
         except Exception as e:  # noqa: BLE001 - an exit hook: never stop the exit
             log.debug("kfit_ps: could not quiesce a coordinator at exit: %s", e)
@@ -77,24 +80,28 @@ def _remote_addresses(server_def):
             for address in job.tasks.values()}
 
 
-def _stop_scheduling(coordinator, deadline):
+@contextlib.contextmanager
+def _stopped_wait_on_failure(*args, **kwargs):
+    """A stopped handler's `wait_on_failure`: the block runs as it is."""
+    yield
+
+
+def _stop_scheduling(coordinator):
     """TensorFlow's `Cluster.stop()` without its unbounded wait for the handler's lock.
 
     A worker thread waiting for its worker's recovery re-enters the handler's
-    `wait_on_failure` once the worker is back, which asserts that the handler still
-    runs: stopped before, the thread died with a traceback (and a gRPC error) on the
-    chief's output and set an error on a function another worker had finished (seen:
-    a worker killed just before a scale). So the handler is stopped after such
-    recoveries end (until `deadline`); the worker threads take no new work meanwhile.
+    `wait_on_failure` once the worker is back (to rebuild its resources), and TensorFlow's
+    asserts there that the handler still runs: after a stop, the thread died with a
+    traceback (and a gRPC error) on the chief's output and set an error on a function
+    another worker had finished (seen: a worker killed just before a scale). A stopped
+    handler's `wait_on_failure` just runs its block.
     """
     cluster = coordinator._cluster
     for worker in cluster.workers:
         worker.stop()
     cluster.closure_queue.stop()
     cluster.resource_cancellation_mgr.start_cancel()
-    while (any(worker._is_dead_with_error for worker in cluster.workers)
-           and time.monotonic() < deadline):
-        time.sleep(0.05)
+    cluster.failure_handler.wait_on_failure = _stopped_wait_on_failure
     cluster.failure_handler._should_preemption_thread_run = False
     return cluster.failure_handler
 
@@ -125,13 +132,35 @@ def _end_handler_thread(handler, deadline):
     return not handler._preemption_handler_thread.is_alive()
 
 
-def quiesce(coordinator, deadline):
-    """Stops `coordinator` from taking work and ends its recovery thread (waiting, until
-    `deadline`, for a recovery in progress); returns whether that thread has ended.
+def _end_worker_threads(coordinator, deadline):
+    """Waits (until `deadline`) for the stopped `coordinator`'s worker threads to end; returns
+    whether they have.
 
-    After this, nothing of `coordinator` updates the eager context's cluster.
+    A stopped worker thread ends after the function it runs (a cancelled one returns at
+    once). None may run while the cluster is changed under it (the function's remote
+    devices and their contexts are replaced).
     """
-    return _end_handler_thread(_stop_scheduling(coordinator, deadline), deadline)
+    # A worker waiting for its recovery runs no function: its thread is not waited for (its
+    # handler has ended, so it waits on until TensorFlow's hour-long bound).
+    workers = {id(worker) for worker in coordinator._cluster.workers
+               if not worker._is_dead_with_error}
+    threads = [thread for thread in threading.enumerate()
+               if id(getattr(getattr(thread, "_target", None), "__self__", None)) in workers]
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return not any(thread.is_alive() for thread in threads)
+
+
+def quiesce(coordinator, deadline, workers_too=True):
+    """Stops `coordinator` from taking work and ends its recovery thread (waiting, until
+    `deadline`, for a recovery in progress) and, with `workers_too`, its worker threads;
+    returns whether they have ended.
+
+    After this, nothing of `coordinator` updates the eager context's cluster or (with
+    `workers_too`) runs a function on it.
+    """
+    ended = _end_handler_thread(_stop_scheduling(coordinator), deadline)
+    return ended and (not workers_too or _end_worker_threads(coordinator, deadline))
 
 
 def forget_servers(addresses, recovery_wait=_RECOVERY_WAIT_SECONDS):
@@ -148,8 +177,7 @@ def forget_servers(addresses, recovery_wait=_RECOVERY_WAIT_SECONDS):
     if server_def is None or not _remote_addresses(server_def) & set(addresses):
         return False
     deadline = time.monotonic() + recovery_wait
-    handlers = [_stop_scheduling(c, deadline) for c in list(_coordinators)]
-    if not all(_end_handler_thread(h, deadline) for h in handlers):
+    if not all([quiesce(c, deadline) for c in list(_coordinators)]):
         log.debug("kfit_ps: a worker recovery is still running; not disconnecting")
         return False
     # No thread can update the cluster now. Release what this process registered on the

@@ -19,8 +19,8 @@ UUID as well. `section_for` keeps one per owner (a layer, a seed generator) and
 makes a new one once the guarded variable's resource is new (a ps recovered in
 place makes its variables, and with them its resources, again).
 
-`execute_in_order` runs a critical section only after the previous one traced
-into the same graph has released its lock, so a function holds one of its own
+Each section `critical_section` makes runs (`execute`) only after the previous
+one traced into the same graph has released its lock, so a function holds one of its own
 locks at a time. Without it, `tf.function`'s automatic control dependencies
 chain every release (`ConsumeMutexLock`, stateful with no resource input) in
 trace order, but a lock (`MutexLock`) only after earlier uses of its own
@@ -29,8 +29,8 @@ then waited for step k's release of another section's, whose lock the other
 worker held, waiting likewise. With two sections in a step (two seed
 generators, a renorm layer and a Dropout) two workers at
 `steps_per_execution=10` hung in 3 of 4 runs, with nothing printed. Every
-critical section of kfit_ps goes through `execute_in_order`; a plain
-`execute` in the same function would be outside its chain.
+critical section of kfit_ps is made by `critical_section`, so each is in the
+chain by construction.
 """
 
 import threading
@@ -67,10 +67,35 @@ def hash_table(key_dtype, value_dtype, default_value, device, name):
             unique_name=_unique(name))
 
 
+class _OrderedSection(tf.CriticalSection):
+    """A `tf.CriticalSection` whose `execute` takes its lock after the previous section of
+    the graph being traced released its own (eagerly: at once, as execution is in order).
+
+    The marker lives on the graph itself: a table keyed by graph whose values are
+    tensors of that graph would keep every traced graph alive."""
+
+    @tf.autograph.experimental.do_not_convert  # TensorFlow's own `execute` is not converted
+    def execute(self, fn, exclusive_resource_access=True, name=None):
+        run = super().execute
+        if tf.executing_eagerly():
+            return run(fn, exclusive_resource_access=exclusive_resource_access, name=name)
+        graph = tf.compat.v1.get_default_graph()
+        previous = getattr(graph, _RELEASED, None)
+        with tf.control_dependencies([] if previous is None else [previous]):
+            outputs = run(fn, exclusive_resource_access=exclusive_resource_access, name=name)
+        # TensorFlow returns fn's results through identities made after the release.
+        after = [t for t in tf.nest.flatten(outputs, expand_composites=True)
+                 if isinstance(t, (tf.Tensor, tf.Operation))]
+        if after:
+            setattr(graph, _RELEASED, after[0])
+        return outputs
+
+
 def critical_section(device, name):
-    """A `tf.CriticalSection` on `device` whose mutex no other critical section shares."""
+    """A `tf.CriticalSection` on `device` whose mutex no other critical section shares, and
+    whose `execute` is in order with the other sections of the function being traced."""
     with tf.init_scope(), tf.device(device):
-        return tf.CriticalSection(name=name, shared_name=_unique(name))
+        return _OrderedSection(name=name, shared_name=_unique(name))
 
 
 def section_for(owner, inner, name):
@@ -83,23 +108,3 @@ def section_for(owner, inner, name):
             cached = (inner.handle, critical_section(inner.device, name))
             owner.__dict__[attribute] = cached
     return cached[1]
-
-
-def execute_in_order(section, fn, exclusive_resource_access=True):
-    """`section.execute(fn)`, its lock taken after the previous section of the graph
-    being traced released its own (eagerly: at once, as execution is in order).
-
-    The marker lives on the graph itself: a table keyed by graph whose values are
-    tensors of that graph would keep every traced graph alive."""
-    if tf.executing_eagerly():
-        return section.execute(fn, exclusive_resource_access=exclusive_resource_access)
-    graph = tf.compat.v1.get_default_graph()
-    previous = getattr(graph, _RELEASED, None)
-    with tf.control_dependencies([] if previous is None else [previous]):
-        outputs = section.execute(fn, exclusive_resource_access=exclusive_resource_access)
-    # TensorFlow returns fn's results through identities made after the release.
-    after = [t for t in tf.nest.flatten(outputs, expand_composites=True)
-             if isinstance(t, (tf.Tensor, tf.Operation))]
-    if after:
-        setattr(graph, _RELEASED, after[0])
-    return outputs

@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 from keras.src.random.seed_generator import SeedGenerator
 
-from kfit_ps._tf_compat.hash_tables import execute_in_order, section_for
+from kfit_ps._tf_compat.hash_tables import section_for
 from kfit_ps._tf_compat.keras_variables import is_kfit_variable, storage
 from kfit_ps._tf_compat.metric_scope import writes_through
 from kfit_ps._tf_compat.versions import check_versions
@@ -53,7 +53,7 @@ def _exact_next(stock):
                 with tf.control_dependencies([update]):
                     return tf.identity(current)
 
-        return execute_in_order(section_for(self, inner, "seed_generator"), draw)
+        return section_for(self, inner, "seed_generator").execute(draw)
 
     next._kfit_ps_stock = stock
     return next

@@ -76,7 +76,7 @@ def exclusive(lock, body):
         with tf.control_dependencies(ops):
             return tf.constant(True)
 
-    return _tf_compat.execute_in_order(lock, run, exclusive_resource_access=False)
+    return lock.execute(run, exclusive_resource_access=False)
 
 
 class DynamicTable(tf.Module):
