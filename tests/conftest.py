@@ -84,8 +84,6 @@ def children_reaped():
     assert left == [], f"server processes left by the test: {left}"
 
 
-
-
 # The order test files start in (pyproject's addopts turn xdist's own reordering off): the fault
 # matrix first, a single test of about 7 minutes that no other worker can share (xdist's order,
 # the files with the most tests first, started it last, and the suite ended on it alone for

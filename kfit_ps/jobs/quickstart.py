@@ -12,6 +12,8 @@ import dataclasses
 import tempfile
 import time
 
+from kfit_ps import validation
+
 
 def _flag(default, flag):
     """A setting `kfit-ps quickstart` takes as `flag`; the CLI's default is `default`."""
@@ -34,8 +36,6 @@ class QuickstartConfig:
     seed: int = 0
 
     def __post_init__(self):
-        from kfit_ps import validation  # numpy: not for the CLI, which reads the flags here
-
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             minimum = 0 if field.name in ("verbose", "seed") else 1
