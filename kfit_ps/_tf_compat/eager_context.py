@@ -81,28 +81,44 @@ def _remote_addresses(server_def):
 
 
 @contextlib.contextmanager
-def _stopped_wait_on_failure(*args, **kwargs):
-    """A stopped handler's `wait_on_failure`: the block runs as it is."""
+def _run_block(*args, **kwargs):
     yield
 
 
-def _stop_scheduling(coordinator):
-    """TensorFlow's `Cluster.stop()` without its unbounded wait for the handler's lock.
+_stopped_classes = {}
 
-    A worker thread waiting for its worker's recovery re-enters the handler's
-    `wait_on_failure` once the worker is back (to rebuild its resources), and TensorFlow's
-    asserts there that the handler still runs: after a stop, the thread died with a
-    traceback (and a gRPC error) on the chief's output and set an error on a function
-    another worker had finished (seen: a worker killed just before a scale). A stopped
-    handler's `wait_on_failure` just runs its block.
+
+def _stopped(handler):
+    """Makes `handler` (a coordinator's failure handler) one that was stopped.
+
+    A worker thread waiting for its worker's recovery wakes once the handler's
+    cluster update ends: a success re-enters `wait_on_failure` to rebuild the
+    worker's resources, where TensorFlow asserts that the handler still runs; a
+    failure (a cancelled queue makes any error one) is raised in the thread. Either
+    killed the thread with a traceback (and a gRPC error) on the chief's output, and
+    set an error on a function another worker had finished (seen: a worker killed just
+    before a scale). A stopped handler's `wait_on_failure` runs its block, and the
+    error of its last update is dropped: the thread ends quietly, and a stopped
+    worker thread runs no function.
     """
+    cls = type(handler)
+    if cls not in _stopped_classes:
+        _stopped_classes[cls] = type(f"Stopped{cls.__name__}", (cls,), {
+            "wait_on_failure": _run_block,
+            "_error_from_recovery": property(lambda self: None, lambda self, error: None)})
+    handler.__class__ = _stopped_classes[cls]
+    return handler
+
+
+def _stop_scheduling(coordinator):
+    """TensorFlow's `Cluster.stop()` without its unbounded wait for the handler's lock, and
+    with a handler stopped for its worker threads too (`_stopped`)."""
     cluster = coordinator._cluster
     for worker in cluster.workers:
         worker.stop()
     cluster.closure_queue.stop()
     cluster.resource_cancellation_mgr.start_cancel()
-    cluster.failure_handler.wait_on_failure = _stopped_wait_on_failure
-    cluster.failure_handler._should_preemption_thread_run = False
+    _stopped(cluster.failure_handler)._should_preemption_thread_run = False
     return cluster.failure_handler
 
 
@@ -129,7 +145,12 @@ def _end_handler_thread(handler, deadline):
     finally:
         handler._cluster_update_lock.release()
     handler._preemption_handler_thread.join(max(0.0, deadline - time.monotonic()))
-    return not handler._preemption_handler_thread.is_alive()
+    if handler._preemption_handler_thread.is_alive():
+        return False
+    # Its thread has ended: a worker thread entering TensorFlow's own `wait_on_failure` now
+    # (looked up before the stop) passes its assertion that the handler runs.
+    handler._should_preemption_thread_run = True
+    return True
 
 
 def _end_worker_threads(coordinator, deadline):
