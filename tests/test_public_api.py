@@ -158,9 +158,10 @@ def test_every_module_imports_on_its_own():
 
 
 # In one fresh interpreter: import the launcher's modules, run `kfit-ps --help` and two
-# subcommands' help, then list every TensorFlow or Keras module loaded.
+# subcommands' help, remove a finished job's local backups (as the launcher does once its
+# script exited 0), then list every TensorFlow or Keras module loaded.
 IMPORT_THE_LAUNCHER = """
-import importlib, json, sys
+import importlib, json, os, sys, tempfile
 for module in sys.argv[1:]:
     importlib.import_module(module)
 from kfit_ps.cli.main import main
@@ -169,6 +170,12 @@ for argv in (["--help"], ["run", "--help"], ["status", "--help"]):
         main(argv)
     except SystemExit:
         pass
+from kfit_ps.launch import chief_process
+backups = os.path.join(tempfile.mkdtemp(), "backup")
+os.makedirs(backups)
+open(os.path.join(backups, "backup-00000001.weights.h5"), "w").close()
+chief_process.remove_backups(backups)
+assert not os.path.exists(backups)
 print("LOADED:" + json.dumps(sorted(m for m in sys.modules
                                     if m.split(".")[0] in ("tensorflow", "keras", "tf_keras"))))
 """

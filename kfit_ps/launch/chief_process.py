@@ -3,6 +3,7 @@
 import ctypes
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -135,7 +136,11 @@ def remove_backups(backup_dir):
     """The script succeeded (exit 0): its backups in `backup_dir` are no longer needed."""
     if not backup_dir:
         return
-    import tensorflow as tf  # Only here, for gs:// paths: the launcher runs without it.
+    if "://" not in str(backup_dir):  # Local: without TensorFlow (its import took 3-7 s).
+        if os.path.isdir(backup_dir):
+            shutil.rmtree(backup_dir)
+        return
+    import tensorflow as tf  # Only for remote storage (gs://...): the launcher runs without it.
 
     if tf.io.gfile.exists(backup_dir):
         tf.io.gfile.rmtree(backup_dir)
