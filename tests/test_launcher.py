@@ -558,20 +558,20 @@ def test_a_wedged_worker_is_killed_and_restarted(tmp_path):
     assert job.left_running() == []
 
 
-# A job whose backups take long to write: a 2,000,000 x 16 embedding (128 MB).
+# A job whose backups take long to write: a 1,000,000 x 16 embedding (64 MB).
 SLOW_BACKUP = textwrap.dedent("""
     import json
     import keras, kfit_ps, tensorflow as tf
 
     def data_fn(ctx):
-        ids = tf.random.stateless_uniform((256, 1), seed=(1, 2), maxval=2_000_000,
+        ids = tf.random.stateless_uniform((256, 1), seed=(1, 2), maxval=1_000_000,
                                           dtype=tf.int32)
         return tf.data.Dataset.from_tensor_slices((ids, tf.ones((256, 1)))).repeat().batch(32)
 
     strategy = kfit_ps.ParameterServerStrategy()
     with strategy.scope():
         model = keras.Sequential([keras.Input((1,), dtype="int32"),
-                                  keras.layers.Embedding(2_000_000, 16), keras.layers.Flatten(),
+                                  keras.layers.Embedding(1_000_000, 16), keras.layers.Flatten(),
                                   keras.layers.Dense(1)])
         model.compile("sgd", "mse", steps_per_execution=5)
     model.fit(kfit_ps.DatasetCreator(data_fn), epochs=1, steps_per_epoch=100, verbose=0)

@@ -192,17 +192,17 @@ def test_slots_of_another_optimizer_are_dropped_with_a_message(tmp_path, capsys)
 
 
 def test_two_workers_evicting_leave_no_orphan_and_count_exactly(strategy):
-    """2 workers x 2,000 steps over 400 ids, capacity 200 (50 %): afterwards every key has a
+    """2 workers x 1,000 steps over 400 ids, capacity 200 (50 %): afterwards every key has a
     row, slots and a count, and `evicted` equals the rows actually removed."""
     rng = np.random.default_rng(3)
-    x = rng.integers(0, 400, (4000 * 4, 2))
+    x = rng.integers(0, 400, (2000 * 4, 2))
     with strategy.scope():
         layer = kfit_ps.layers.DynamicEmbedding(4, capacity=200, name="evicting")
         model = _head_model(layer)
         model.compile(keras.optimizers.Adam(0.01), "mse")
     dataset_fn = lambda _: tf.data.Dataset.from_tensor_slices(  # noqa: E731
         (x, np.zeros((len(x), 1), np.float32))).batch(4).repeat()
-    model.fit(kfit_ps.DatasetCreator(dataset_fn), steps_per_epoch=4000, epochs=1, verbose=0)
+    model.fit(kfit_ps.DatasetCreator(dataset_fn), steps_per_epoch=2000, epochs=1, verbose=0)
     rows = 0
     for keys, values, meta_keys, meta, _ in _state(layer):
         has_row = set(meta_keys[meta[:, 2] > 0].tolist())
