@@ -70,3 +70,24 @@ class WorkerKills:
             self.kills.append((task, self._progress()))
             self._restarts.append(threading.Thread(target=self._restart, args=(task,)))
             self._restarts[-1].start()
+
+
+def killed_one_pass_epoch(cluster, model, dataset, rng, low, high, kills=5):
+    """One one-pass epoch of `model` (a `helpers.counting_model`, its counts zeroed first) on
+    `dataset`, with `kills` worker SIGKILLs at seeded points in `[low, high)` batches, each
+    killed worker restarted. Returns what the fit, the counts and the ledger's report say."""
+    import kfit_ps
+    import tensorflow as tf
+
+    model.counts.assign(tf.zeros_like(model.counts))
+    iterations = model.optimizer.iterations
+    start = int(iterations.numpy())
+    points = kill_points(rng, low, high, kills)
+    with WorkerKills(cluster, lambda: int(iterations.numpy()) - start, points, rng,
+                     workers=2, jitter=0.05) as killer:
+        history = model.fit(dataset, epochs=1, verbose=0).history
+    report = kfit_ps.ledger.reports(model)[0]
+    return dict(killed=history, counts=model.counts.numpy().tolist(), kills=killer.kills,
+                points=points, lost=report.lost, once=report.trained_once,
+                splits=report.splits,
+                reruns=[[r.first_batch, r.batches, r.starts, r.examples] for r in report.reruns])

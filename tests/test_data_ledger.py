@@ -6,6 +6,8 @@ what was trained independently of `kfit_ps.ledger`'s own report.
 """
 
 import json
+import os
+import re
 
 import numpy as np
 import pytest
@@ -67,6 +69,37 @@ def test_a_dataset_creator_with_a_finite_dataset_is_one_pass(model):
     assert np.bincount(counts).tolist() == [0, N]
 
 
+@pytest.mark.parametrize("kind", ["tfrecord", "csv"])
+def test_files_train_every_record_once_per_epoch(model, kind, tmp_path):
+    """TFRecord files, and CSV files with a header read by `interleave`, of uneven sizes
+    (one empty, batches across file boundaries): each worker reads a batch from its first
+    record's byte offset, and every record is trained once per epoch."""
+    paths = helpers.indexed_files(str(tmp_path), kind)
+    counts, logs = _counts_after(model, lambda: model.fit(
+        helpers.indexed_file_dataset(paths, BATCH), epochs=2, verbose=0))
+    assert np.bincount(counts).tolist() == [0, 0, N]
+    assert logs["ledger_splits"] == [8.0, 8.0]
+    assert logs["ledger_splits_rerun"] == logs["ledger_splits_lost"] == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("kind", ["tfrecord", "csv"])
+def test_a_file_source_reads_each_batch_from_its_first_record(kind, tmp_path):
+    paths = helpers.indexed_files(str(tmp_path), kind)
+    source = kfit_ps.ledger.dataset_source(helpers.indexed_file_dataset(paths, BATCH), "x")
+    assert isinstance(source, kfit_ps.ledger.FileSource)
+    assert (source.num_batches, source.num_examples, source.batch_size) == (40, N, BATCH)
+    data = tf.data.Dataset.from_tensors(source.tables)
+    read = tf.function(lambda b: source.read(data, b, tf.constant(0, tf.int64)))
+    batches = [read(tf.constant(b, tf.int64)) for b in range(source.num_batches)]
+    assert [len(batch[1]) for batch in batches] == [BATCH] * 39 + [N - 39 * BATCH]
+    (x, index), y = helpers.indexed_arrays(N)
+    # The files' records in order, each with its own features and target.
+    np.testing.assert_array_equal(np.concatenate([b[0][1] for b in batches]), index)
+    np.testing.assert_array_equal(np.concatenate([b[0][0] for b in batches]), x)
+    np.testing.assert_array_equal(np.concatenate([b[1] for b in batches]), y)
+    assert source.examples_in(38, 5) == BATCH + N - 39 * BATCH
+
+
 def test_steps_per_epoch_still_streams(model):
     stream = _dataset().repeat()
     counts, logs = _counts_after(model, lambda: model.fit(
@@ -124,7 +157,7 @@ KILLED_EPOCH = """
 import random
 from tests import chaos, helpers as h
 
-N, BATCH, KILLS = 200_000, 256, 5
+N, BATCH = 200_000, 256
 (x, index), y = h.indexed_arrays(N)
 rng = random.Random(2026)
 with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
@@ -135,22 +168,9 @@ with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
         model.compile(optimizer="adam", loss="mse", steps_per_execution=5)
     clean = model.fit(dataset, epochs=1, verbose=0).history
     clean_counts = model.counts.numpy()
-    model.counts.assign(tf.zeros([N], tf.int32))
-
-    batches = -(-N // BATCH)
-    iterations = model.optimizer.iterations
-    start = int(iterations.numpy())
-    points = chaos.kill_points(rng, 40, batches - 200, KILLS)
-    with chaos.WorkerKills(cluster, lambda: int(iterations.numpy()) - start, points, rng,
-                           workers=2, jitter=0.05) as kills:
-        killed = model.fit(dataset, epochs=1, verbose=0).history
-    counts = model.counts.numpy()
-    report_ = kfit_ps.ledger.reports(model)[0]
-    reruns = [[r.first_batch, r.batches, r.starts, r.examples] for r in report_.reruns]
-    report(clean=clean, clean_counts=np.bincount(clean_counts).tolist(), killed=killed,
-           counts=counts.tolist(), reruns=reruns, kills=kills.kills, points=points,
-           lost=report_.lost, once=report_.trained_once, splits=report_.splits,
-           pids=cluster.pids())
+    killed = chaos.killed_one_pass_epoch(cluster, model, dataset, rng, 40, -(-N // BATCH) - 200)
+    report(clean=clean, clean_counts=np.bincount(clean_counts).tolist(), pids=cluster.pids(),
+           **killed)
 os._exit(0)
 """
 
@@ -163,26 +183,65 @@ def test_five_worker_kills_lose_no_example_and_the_ledger_names_the_retrained():
     # Without failures: every example exactly once.
     assert result["clean_counts"] == [0, n]
     assert result["clean"]["ledger_splits_rerun"] == [0.0]
-    assert len(result["kills"]) == 5, result["kills"]
-    assert all(at < -(-n // batch) for _, at in result["kills"]), result["kills"]  # in the fit
-    counts = np.asarray(result["counts"])
-    # With 5 kills: none lost, counted apart from the ledger.
+    _check_killed_epoch(result, n, batch)
+    assert helpers.wait_for_no_servers(result["pids"], timeout=10) == []
+
+
+def _check_killed_epoch(run, n, batch, spe=5, kills=5):
+    """A one-pass epoch of `n` examples (batches of `batch`, `spe` per function) with `kills`
+    worker SIGKILLs in it: none lost, counted apart from the ledger (`run["counts"]`)."""
+    assert len(run["kills"]) == kills, run["kills"]
+    assert all(at < -(-n // batch) for _, at in run["kills"]), run["kills"]  # in the fit
+    counts = np.asarray(run["counts"])
     assert counts.min() >= 1
-    assert result["lost"] == 0 and result["killed"]["ledger_splits_lost"] == [0.0]
-    assert result["splits"] == -(-(-(-n // batch)) // 5)
+    assert run["lost"] == 0 and run["killed"]["ledger_splits_lost"] == [0.0]
+    assert run["splits"] == -(-(-(-n // batch)) // spe)
     # Examples trained more than once lie in splits the ledger reports as re-run, at most
-    # once per extra start, and those are at most a split (5 x 256 examples) per kill.
+    # once per extra start, and those are at most a split (spe x batch examples) per kill.
     allowed = np.ones(n, np.int64)
-    for first, batches, starts, examples in result["reruns"]:
+    for first, batches, starts, examples in run["reruns"]:
         assert examples == min((first + batches) * batch, n) - first * batch
         allowed[first * batch:first * batch + examples] = starts
     assert (counts <= allowed).all(), np.flatnonzero(counts > allowed)[:20]
     retrained = int((counts > 1).sum())
-    reported = sum(examples * (starts - 1) for _, _, starts, examples in result["reruns"])
-    assert retrained <= reported <= 5 * 5 * 256
-    assert result["killed"]["ledger_examples_rerun"] == [float(reported)]
-    assert result["killed"]["ledger_splits_rerun"] == [float(len(result["reruns"]))]
-    assert result["once"] + len(result["reruns"]) == result["splits"]
+    reported = sum(examples * (starts - 1) for _, _, starts, examples in run["reruns"])
+    assert retrained <= reported <= kills * spe * batch
+    assert run["killed"]["ledger_examples_rerun"] == [float(reported)]
+    assert run["killed"]["ledger_splits_rerun"] == [float(len(run["reruns"]))]
+    assert run["once"] + len(run["reruns"]) == run["splits"]
+
+
+# The same over 8 TFRecord files, then 8 CSV files (`helpers.indexed_files`: 10,000 records,
+# uneven, one file empty), batch 32, 5 steps per function: in each, one epoch with 5 seeded
+# worker SIGKILLs, each killed worker restarted.
+KILLED_FILE_EPOCHS = """
+import random, tempfile
+from tests import chaos, helpers as h
+
+N, BATCH = 10_000, 32
+rng = random.Random(2027)
+results = {}
+with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+    strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+    with strategy.scope():
+        model = h.counting_model(N, saved=False)
+        model.compile(optimizer="adam", loss="mse", steps_per_execution=5)
+    for kind in ("tfrecord", "csv"):
+        dataset = h.indexed_file_dataset(h.indexed_files(tempfile.mkdtemp(), kind), BATCH)
+        results[kind] = chaos.killed_one_pass_epoch(cluster, model, dataset, rng, 20,
+                                                    -(-N // BATCH) - 60)
+    report(results=results, pids=cluster.pids())
+os._exit(0)
+"""
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+def test_five_worker_kills_over_files_lose_no_record_and_the_ledger_names_the_retrained():
+    result = helpers.run_chief(KILLED_FILE_EPOCHS, timeout=600)
+    assert sorted(result["results"]) == ["csv", "tfrecord"]
+    for run in result["results"].values():
+        _check_killed_epoch(run, 10_000, 32)
     assert helpers.wait_for_no_servers(result["pids"], timeout=10) == []
 
 
@@ -248,6 +307,45 @@ def test_a_backup_resumes_only_on_the_same_data(model, tmp_path):
         fit(N, 3)
     assert str(info.value).count("content fingerprint") == 2, str(info.value)
     assert f"content fingerprint {fingerprint}" in str(info.value)
+
+
+def test_a_backup_over_files_resumes_only_on_the_same_files(model, tmp_path):
+    """A backup records the files (names, sizes, modification times): a resume after one
+    of them changed is refused, naming both; unchanged, it trains the next epoch only."""
+    paths = helpers.indexed_files(str(tmp_path / "data"), "tfrecord")
+    backup = str(tmp_path / "backup")
+
+    def fit(epochs):
+        return model.fit(helpers.indexed_file_dataset(paths, BATCH), epochs=epochs, verbose=0,
+                         callbacks=[kfit_ps.callbacks.BackupAndRestore(
+                             backup, delete_checkpoint=False)])
+
+    model.counts.assign(tf.zeros([N], tf.int32))
+    fit(1)
+    saved = model.counts.numpy()
+    assert fit(2).history["ledger_splits"] == [8.0, 8.0]  # epoch 2 only, then the History's
+    assert (model.counts.numpy() == saved + 1).all()
+    stat = os.stat(paths[3])
+    os.utime(paths[3], ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # same bytes
+    with pytest.raises(ValueError) as info:
+        fit(3)
+    message = str(info.value)
+    assert "written while training on other data" in message
+    assert message.count("examples of files, batch size 256, 8 TFRecord files") == 2, message
+    assert message.count("content fingerprint") == 2 and len(set(re.findall(
+        r"content fingerprint (\w+)", message))) == 2, message
+
+
+def test_compressed_files_and_record_filters_are_refused_with_the_reason(model, tmp_path):
+    paths = helpers.indexed_files(str(tmp_path), "tfrecord", sizes=(10, 20))
+    for dataset, reason in [
+            (tf.data.TFRecordDataset(paths, compression_type="GZIP").batch(4),
+             "its files are GZIP-compressed"),
+            (tf.data.TFRecordDataset(paths).filter(lambda r: True).batch(4),
+             "before its batch comes a FilterDataset")]:
+        with pytest.raises(ValueError) as info:
+            model.fit(dataset, epochs=1, verbose=0)
+        assert reason in str(info.value) and "steps_per_epoch" in str(info.value)
 
 
 # Shuffled arrays, stopped by SIGTERM mid-epoch (a backup at the step reached), then resumed

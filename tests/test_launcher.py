@@ -327,6 +327,8 @@ FITS = textwrap.dedent("""
         def data_fn(ctx):
             x = tf.random.stateless_normal((16, 4), seed=(1, 2))
             return tf.data.Dataset.from_tensors((x, tf.reduce_sum(x, 1, keepdims=True))).repeat()
+    paced = [h.paced_until(a.split("=", 1)[1], 0.03) for a in sys.argv[2:] if
+             a.startswith("paced=")]  # until that file exists
     keras.utils.set_random_seed(7)
     strategy = kfit_ps.ParameterServerStrategy()
     with strategy.scope():
@@ -346,7 +348,7 @@ FITS = textwrap.dedent("""
     histories = []
     for k, (epochs, steps) in enumerate(plan, 1):
         history = model.fit(kfit_ps.DatasetCreator(data_fn), epochs=epochs,
-                            steps_per_epoch=steps, verbose=0, callbacks=[Report(k)])
+                            steps_per_epoch=steps, verbose=0, callbacks=[Report(k), *paced])
         histories.append({"epoch": history.epoch, "batches": history.history["batches"]})
     print("RESULT " + json.dumps({"iterations": int(model.optimizer.iterations.numpy()),
                                   "fits": histories,
@@ -424,8 +426,11 @@ def test_sigterm_saves_the_steps_in_flight_and_the_rerun_loses_none(tmp_path, to
     check the backup's step)."""
     backup = tmp_path / "backup"
     flags = ("--workers", "1", "--ps", "1", "--backup-dir", str(backup), "--grace", "60")
-    plan = json.dumps([[1, 8000]])  # one long epoch, backed up only at its end
-    job = Job(tmp_path, *flags, script=FITS, script_args=(plan,))
+    plan = json.dumps([[1, 2000]])  # one long epoch, backed up only at its end
+    # Paced (30 ms before each function: at least 12 s for the epoch), so that the signal
+    # lands in the epoch; the rerun runs at full speed.
+    job = Job(tmp_path, *flags, script=FITS,
+              script_args=(plan, f"paced={tmp_path / 'never-created'}"))
     try:
         job.read_until(lambda line: epoch_line(line) == (1, 0, 0))
         time.sleep(random.Random(7).uniform(4.0, 7.0))
@@ -449,7 +454,7 @@ def test_sigterm_saves_the_steps_in_flight_and_the_rerun_loses_none(tmp_path, to
     assert f"a backup of them was written ({backup}" in stopped[0], stopped
     saved = int(stopped[0].split("after step ", 1)[1].split()[0])
     # 0 when the first function had not started yet (its registration takes seconds here).
-    assert 0 <= saved < 8000 and saved % 5 == 0, stopped
+    assert 0 <= saved < 2000 and saved % 5 == 0, stopped
     assert any("the chief stopped with exit code 143" in line for line in job.lines)
     assert job.left_running() == []
     markers = [json.loads(p.read_text()) for p in backup.rglob("*.kfit_ps.json")]
@@ -466,8 +471,8 @@ def test_sigterm_saves_the_steps_in_flight_and_the_rerun_loses_none(tmp_path, to
             rerun.proc.kill()
     [first] = [epoch_line(line) for line in rerun.lines if epoch_line(line)]
     assert first == (1, 0, saved)
-    assert rerun.result()["iterations"] == 8000
-    assert rerun.result()["fits"][0]["batches"] == [8000.0 - saved]  # this run's steps
+    assert rerun.result()["iterations"] == 2000
+    assert rerun.result()["fits"][0]["batches"] == [2000.0 - saved]  # this run's steps
     assert rerun.left_running() == []
 
 
@@ -606,17 +611,22 @@ def test_a_kill_during_the_first_backup_write_is_followed_by_a_successful_restar
     assert job.left_running() == []
 
 
-# One one-pass epoch of 200,000 indexed examples; each training step logs its indices from
-# the worker (`helpers.counting_model`), so the log covers every incarnation of the job.
+# One one-pass epoch of 200,000 indexed examples: arrays, or TFRecord files in the folder
+# given; each training step logs its indices from the worker (`helpers.counting_model`), so
+# the log covers every incarnation of the job.
 ONE_PASS_JOB = textwrap.dedent("""
-    import json, sys
+    import json, os, sys
     import keras, kfit_ps, numpy as np, tensorflow as tf
     from tests import helpers as h
 
     N = 200_000
     strategy = kfit_ps.ParameterServerStrategy()
-    (x, index), y = h.indexed_arrays(N)
-    dataset = tf.data.Dataset.from_tensor_slices(((x, index), y)).batch(256)
+    if sys.argv[2] == "arrays":
+        (x, index), y = h.indexed_arrays(N)
+        dataset = tf.data.Dataset.from_tensor_slices(((x, index), y)).batch(256)
+    else:  # The files the test wrote, read as a user writes it.
+        paths = sorted(os.path.join(sys.argv[2], f) for f in os.listdir(sys.argv[2]))
+        dataset = h.indexed_file_dataset(paths, 256)
     with strategy.scope():
         model = h.counting_model(N, trained_log=sys.argv[1])
         model.compile("adam", "mse", steps_per_execution=5)
@@ -634,12 +644,18 @@ ONE_PASS_JOB = textwrap.dedent("""
 
 @pytest.mark.chaos
 @pytest.mark.slow
-def test_a_killed_chief_resumes_a_one_pass_epoch_at_its_first_untrained_split(tmp_path):
+@pytest.mark.parametrize("data", ["arrays", "tfrecord"])
+def test_a_killed_chief_resumes_a_one_pass_epoch_at_its_first_untrained_split(tmp_path, data):
+    """Over arrays, and over 8 TFRecord files of uneven sizes (one empty)."""
     n, batch, save_freq, spe, workers = 200_000, 256, 50, 5, 2
     trained = tmp_path / "trained.log"
+    if data == "tfrecord":
+        data = str(tmp_path / "files")
+        helpers.indexed_files(data, "tfrecord", sizes=(60_000, 0, 7, 41_000, 55, 70_000, 1,
+                                                       28_937))
     job = Job(tmp_path, "--workers", str(workers), "--ps", "1", "--backup-dir",
               str(tmp_path / "backup"), "--save-freq", str(save_freq),
-              script=ONE_PASS_JOB, script_args=(trained,))
+              script=ONE_PASS_JOB, script_args=(trained, data))
     try:
         job.read_until(lambda line: (step_of(line) or 0) >= 300)
         os.kill(job.tasks()["chief:0"], signal.SIGKILL)

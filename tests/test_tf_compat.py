@@ -594,6 +594,40 @@ def test_dataset_ops_and_external_state_are_read_from_the_serialized_pipeline():
     assert _tf_compat.external_state(generated)
 
 
+def test_a_pipeline_graph_is_read_evaluated_in_part_and_replayed_on_another_source():
+    """`dataset_graph`: the serialized pipeline without its return node, a constant of it, the
+    dataset of one of its nodes, and its steps after a node replayed on another dataset inside
+    a traced function, after the pipeline's own functions are gone."""
+    import gc
+
+    from kfit_ps._tf_compat import dataset_graph
+
+    graph, output = dataset_graph.pipeline_graph(
+        tf.data.Dataset.range(10).map(lambda x: x * 2).batch(3))
+    nodes = {node.name: node for node in graph.node}
+    batch = nodes[output]
+    assert batch.op == "BatchDatasetV2" and "_Retval" not in {n.op for n in graph.node}
+    assert int(dataset_graph.constant(graph, batch.input[1])) == 3
+    mapped = nodes[batch.input[0].split(":")[0]]
+    assert mapped.op == "MapDataset"
+    spec = tf.TensorSpec([], tf.int64)
+    assert list(dataset_graph.evaluate(graph, mapped.name, spec).as_numpy_iterator()) == \
+        list(range(0, 20, 2))
+    gc.collect()  # The map's function now lives on in the eager context only.
+
+    @tf.function
+    def replayed():
+        dataset = dataset_graph.replay(graph, output, mapped.input[0].split(":")[0],
+                                       tf.data.Dataset.range(100, 104),
+                                       tf.TensorSpec([None], tf.int64))
+        return dataset.reduce(tf.constant(0, tf.int64), lambda total, b: total + tf.reduce_sum(b))
+
+    assert int(replayed()) == 2 * (100 + 101 + 102 + 103)
+    with pytest.raises(dataset_graph.Unserializable, match="ReadVariableOp is stateful"):
+        scale = tf.Variable(2, dtype=tf.int64)
+        dataset_graph.pipeline_graph(tf.data.Dataset.range(3).map(lambda x: x * scale))
+
+
 def test_coordinators_are_quiesced_before_exit_and_a_held_recovery_lock_cannot_hang_it():
     """A chief that printed its result never exited: at finalization a worker-recovery thread
     was frozen holding its lock, and the coordinator's `__del__` waited on it. `quiesce_all`

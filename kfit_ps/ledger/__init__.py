@@ -1,11 +1,13 @@
 """Every training example exactly once: one-pass epochs split and counted by a ledger.
 
-`fit` on finite data (numpy arrays, or a finite dataset that TensorFlow can
-read by batch index) without `steps_per_epoch` trains one pass per epoch:
-`sources` says what data qualifies, `ledger` what is counted and promised.
+`fit` on finite data (numpy arrays, a finite dataset that TensorFlow can
+read by batch index, or a pipeline over TFRecord or text files) without
+`steps_per_epoch` trains one pass per epoch:
+`sources` and `files` say what data qualifies, `ledger` what is counted and promised.
 `kfit_ps.ledger.reports(model)` returns the last `fit`'s per-epoch reports.
 """
 
+from kfit_ps.ledger.files import FileSource
 from kfit_ps.ledger.ledger import EpochReport, Ledger, Rerun
 from kfit_ps.ledger.sources import ArraySource, DatasetSource, NotIndexable, dataset_source
 
@@ -16,5 +18,5 @@ def reports(model):
     return list(ledger.reports) if ledger is not None else []
 
 
-__all__ = ["ArraySource", "DatasetSource", "EpochReport", "Ledger", "NotIndexable", "Rerun",
-           "dataset_source", "reports"]
+__all__ = ["ArraySource", "DatasetSource", "EpochReport", "FileSource", "Ledger", "NotIndexable",
+           "Rerun", "dataset_source", "reports"]

@@ -17,8 +17,10 @@ split. Two kinds of source allow that:
   TensorFlow knows and whose batches it can read by index
   (`tf.data.experimental.at`): pipelines of `range`, `from_tensor_slices`,
   `map`, `batch`, `zip`, `cache`, `prefetch`. Refused, with what to do
-  instead: an unknown length (`filter`, file readers: stream them with
-  `steps_per_epoch`) and `shuffle` (each worker would draw its own order).
+  instead: an unknown length (`filter`: stream it with `steps_per_epoch`)
+  and `shuffle` (each worker would draw its own order).
+- `files.FileSource`: a pipeline over TFRecord or text files, whose length
+  follows from an index of the files' records (`files`).
 
 A source's data reaches each worker once (`worker_data`); `read(data, batch,
 epoch)` runs inside the scheduled function.
@@ -30,6 +32,9 @@ import numpy as np
 import tensorflow as tf
 
 from kfit_ps import _tf_compat
+from kfit_ps.ledger.batched import Batched
+from kfit_ps._tf_compat import dataset_graph
+from kfit_ps.ledger import files
 
 class NotIndexable(ValueError):
     """A finite dataset that workers cannot read by batch index (it shuffles, has no random
@@ -130,7 +135,7 @@ class ArraySource:
                 "fingerprint": _fingerprint(self.arrays, rows)}
 
 
-class DatasetSource:
+class DatasetSource(Batched):
     """A finite dataset of batches with random access, read batch by batch by index."""
 
     kind = "dataset"
@@ -145,8 +150,8 @@ class DatasetSource:
         first = tf.data.experimental.at(self.sample, 0)
         last = tf.data.experimental.at(self.sample, self.num_batches - 1)
         self.batch_size = _rows(first)
-        self._last_size = _rows(last)
-        self.num_examples = self.batch_size * (self.num_batches - 1) + self._last_size
+        self.last_size = _rows(last)
+        self.num_examples = self.batch_size * (self.num_batches - 1) + self.last_size
         # The first and the last batch; a pipeline that reads differently each time (an
         # unseeded random `map`) has no content fingerprint, only its shape.
         again = tf.data.experimental.at(self.sample, 0)
@@ -163,13 +168,6 @@ class DatasetSource:
     def read(self, data, batch, epoch):
         del epoch  # The dataset's own order, every epoch.
         return tf.data.experimental.at(data, batch)
-
-    def examples_in(self, first, count):
-        stop = min(first + count, self.num_batches)
-        if stop <= first:
-            return 0
-        full = stop - first - (1 if stop == self.num_batches else 0)
-        return full * self.batch_size + (self._last_size if stop == self.num_batches else 0)
 
     def describe(self):
         described = {"kind": self.kind, "batches": self.num_batches,
@@ -198,11 +196,18 @@ def dataset_source(dataset, arg, build=None):
             "steps_per_epoch=None. Pass e.g. steps_per_epoch=100, or remove `.repeat()` to "
             "train one pass per epoch.")
     if cardinality == tf.data.UNKNOWN_CARDINALITY:
+        try:
+            return files.FileSource(dataset)
+        except files.NotFiles as refusal:
+            reason = refusal.reason
+        except dataset_graph.Unserializable as refusal:
+            reason = f"it uses state of this process (TensorFlow says {refusal.reason!r})"
         raise ValueError(
-            f"{prefix} TensorFlow does not know how many batches `{arg}` has (a `filter`, a "
-            f"file reader such as TFRecordDataset, `interleave`...). Received: a dataset of "
-            f"unknown cardinality and steps_per_epoch=None. Build it from `range` or "
-            f"`from_tensor_slices` with `map` and `batch`, or {STREAM}")
+            f"{prefix} TensorFlow does not know how many batches `{arg}` has, and kfit_ps "
+            f"cannot count them in its files: {reason}. Received: a dataset of unknown "
+            f"cardinality and steps_per_epoch=None. Read the files with TFRecordDataset or "
+            f"TextLineDataset followed by `map` and `batch` (docs/training_input.md), build "
+            f"it from `range` or `from_tensor_slices` with `map` and `batch`, or {STREAM}")
     if cardinality == 0:
         raise ValueError(f"`{arg}` has no batches: there is nothing to train on. Received an "
                          "empty dataset (cardinality 0). Pass data with at least one batch "

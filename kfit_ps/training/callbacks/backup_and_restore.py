@@ -316,6 +316,8 @@ def _data_kind(ledger_state):
     if "shuffle" in ledger_state:
         text += (f", shuffled with seed {ledger_state['seed']}" if ledger_state["shuffle"]
                  else ", not shuffled")
+    if "files" in ledger_state:
+        text += f", {ledger_state['files']}"
     if "fingerprint" in ledger_state:
         text += f", content fingerprint {ledger_state['fingerprint']}"
     return text + ")"

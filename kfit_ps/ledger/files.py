@@ -1,0 +1,282 @@
+"""One-pass epochs over files: a pipeline's reader replaced, batch by batch, by a seek.
+
+A finite pipeline that reads files — `TFRecordDataset(files)`,
+`TextLineDataset(files)`, or either inside `interleave`/`flat_map` over
+`from_tensor_slices(files)` or `Dataset.list_files(...)` (a per-file
+`skip(n)`, e.g. a CSV header, included) — followed by per-record and
+per-batch steps (`map`, one `batch` or `padded_batch`, `prefetch`) is read by
+batch index like the ledger's other sources:
+
+- the records are the files' records in the files' order (the pipeline's
+  file list; a shuffled list, as `list_files` makes by default, sorted), and
+  batch `b` holds records `[b * batch_size, (b + 1) * batch_size)`;
+- `file_index` finds where each record starts, once per file and size and
+  modification time;
+- on the worker, batch `b`'s reader starts at its first record's byte offset
+  (`TFRecordDatasetV2`'s `byte_offsets`; a byte range of a text file read as
+  one fixed-length record and split into lines), and the pipeline's own steps
+  after its reader (`_tf_compat.dataset_graph.replay`) make the batch.
+
+Refused, with the reason (`NotFiles`): compressed files (they cannot be
+entered mid-file), steps between the reader and the batch that change the
+number of records (`filter`, `take`, `skip`, `unbatch`, `shuffle`...).
+"""
+
+import zlib
+
+import numpy as np
+import tensorflow as tf
+
+from kfit_ps import _tf_compat
+from kfit_ps.ledger.batched import Batched
+from kfit_ps._tf_compat import dataset_graph
+from kfit_ps.ledger.file_index import TEXT, TFRECORD, index_files
+
+_READERS = {"TFRecordDataset": TFRECORD, "TFRecordDatasetV2": TFRECORD, "TextLineDataset": TEXT}
+_PER_FILE = {"FlatMapDataset", "InterleaveDataset", "ParallelInterleaveDataset",
+             "ParallelInterleaveDatasetV2", "ParallelInterleaveDatasetV3",
+             "ParallelInterleaveDatasetV4", "LegacyParallelInterleaveDatasetV2"}
+_BATCHES = {"BatchDataset", "BatchDatasetV2", "ParallelBatchDataset", "PaddedBatchDataset",
+            "PaddedBatchDatasetV2"}
+_STEPS = _BATCHES | {
+    "MapDataset", "ParallelMapDataset", "ParallelMapDatasetV2", "PrefetchDataset",
+    "OptionsDataset", "ModelDataset", "OptimizeDataset", "OptimizeDatasetV2",
+    "MaxIntraOpParallelismDataset", "PrivateThreadPoolDataset",
+    "ExperimentalMaxIntraOpParallelismDataset", "ExperimentalPrivateThreadPoolDataset"}
+_SHUFFLES = ("ShuffleDataset", "ShuffleDatasetV2", "ShuffleDatasetV3")
+_REPORTED_BYTES = 64 << 20  # Indexing inputs this large is said, with its cost.
+_READ_BUFFER = 256 << 10
+
+
+class NotFiles(ValueError):
+    """The pipeline is not one that a file source can read by batch; `reason` says why."""
+
+    def __init__(self, reason):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _name(input_name):
+    return input_name.split(":")[0].lstrip("^")
+
+
+class _Function:
+    """A function of the pipeline's graph library, its nodes by name."""
+
+    def __init__(self, function):
+        self.nodes = {node.name: node for node in function.node_def}
+        self.args = [arg.name for arg in function.signature.input_arg]
+        self.output = _name(function.ret[function.signature.output_arg[0].name])
+
+    def source(self, input_name):
+        """The node behind `input_name`, through `Identity` and `Reshape` (or the arg name)."""
+        name = _name(input_name)
+        while name in self.nodes and self.nodes[name].op in ("Identity", "Reshape"):
+            name = _name(self.nodes[name].input[0])
+        return self.nodes.get(name, name)
+
+    def constant(self, input_name):
+        node = self.source(input_name)
+        if getattr(node, "op", None) != "Const":
+            return None
+        return tf.make_ndarray(node.attr["value"].tensor)
+
+
+def _per_file_reader(library, name):
+    """`(kind, compression, skip)` when the library function `name` maps one file name to
+    its records (a reader of its argument, possibly after a per-file `skip`), else None."""
+    if name not in library:
+        return None
+    function = library[name]
+    if len(function.args) != 1:
+        return None
+    node, skip = function.source(function.output), 0
+    if getattr(node, "op", None) == "SkipDataset":
+        count = function.constant(node.input[1])
+        if count is None or int(count) < 0:
+            return None
+        node, skip = function.source(node.input[0]), int(count)
+    op = getattr(node, "op", None)
+    if op in _READERS:
+        if function.source(node.input[0]) != function.args[0]:
+            return None
+        compression = function.constant(node.input[1])
+        if compression is None:
+            return None
+        return _READERS[op], compression.item().decode(), skip
+    if op == "FlatMapDataset":  # The per-file reader of `TFRecordDataset(name)`.
+        files = function.source(node.input[0])
+        if getattr(files, "op", None) != "TensorSliceDataset" or \
+                function.source(files.input[0]) != function.args[0]:
+            return None
+        inner = _per_file_reader(library, node.attr["f"].func.name)
+        if inner is None:
+            return None
+        return inner[0], inner[1], inner[2] + skip
+    return None
+
+
+def _ops_below(nodes, name):
+    """The ops of node `name` and of every node it reads from."""
+    ops, stack, seen = set(), [name], set()
+    while stack:
+        node = nodes[stack.pop()]
+        if node.name in seen:
+            continue
+        seen.add(node.name)
+        ops.add(node.op)
+        stack.extend(_name(i) for i in node.input if _name(i) in nodes)
+    return ops
+
+
+class FileSource(Batched):
+    """Records of files read by batch index: each batch's reader seeks to its first record."""
+
+    kind = "files"
+
+    def __init__(self, dataset):
+        graph, output = dataset_graph.pipeline_graph(dataset)
+        nodes = {node.name: node for node in graph.node}
+        library = {f.signature.name: _Function(f) for f in graph.library.function}
+        steps, node = [], nodes[output]
+        while node.op in _STEPS:
+            steps.append(node)
+            node = nodes[_name(node.input[0])]
+        reader = (_per_file_reader(library, node.attr["f"].func.name)
+                  if node.op in _PER_FILE else None)
+        if reader is None:
+            raise NotFiles(
+                f"before its batch comes a {node.op}: not a file reader over a list of files, "
+                "or a step that changes which records there are (`filter`, `take`, `skip`, "
+                "`shuffle`, `unbatch`...), so a batch's records cannot be found in the files"
+                if node.op not in _PER_FILE else
+                "its per-file function is not a TFRecordDataset or TextLineDataset of the "
+                "file name (with at most a `skip(n)` of header records)")
+        self.record_kind, compression, self.skip = reader
+        if compression:
+            raise NotFiles(f"its files are {compression}-compressed: a compressed file cannot "
+                           "be entered at a record")
+        batches = [step for step in steps if step.op in _BATCHES]
+        if len(batches) != 1:
+            raise NotFiles(f"it batches {len(batches)} times after its reader (one `batch` "
+                           "makes each batch from its records)")
+        self.batch_size = int(dataset_graph.constant(graph, batches[0].input[1]))
+        drop_remainder = bool(dataset_graph.constant(graph, batches[0].input[-1]))
+        self._graph, self._output, self._root = graph, output, node.name
+        self.element_spec = dataset.element_spec
+
+        files_node = _name(node.input[0])
+        names = [n.decode() for n in dataset_graph.evaluate(
+            graph, files_node, tf.TensorSpec([], tf.string)).as_numpy_iterator()]
+        if _ops_below(nodes, files_node) & set(_SHUFFLES):
+            names.sort()  # `list_files` shuffles: the sorted names are the order.
+        if not names:
+            raise NotFiles("its file list is empty")
+        indexes, seconds = index_files(names, self.record_kind, self.skip)
+        self._indexes = indexes
+        sizes = np.asarray([index.size for index in indexes], np.int64)
+        counts = np.asarray([index.records for index in indexes], np.int64)
+        self.num_examples = int(counts.sum())
+        if drop_remainder:
+            self.num_examples -= self.num_examples % self.batch_size
+        if self.num_examples == 0:
+            raise NotFiles(f"its {len(names)} file(s) hold no complete batch of "
+                           f"{self.batch_size} records")
+        self.num_batches = -(-self.num_examples // self.batch_size)
+        self.last_size = self.num_examples - (self.num_batches - 1) * self.batch_size
+        if sizes.sum() >= _REPORTED_BYTES and seconds:
+            gigabytes = sizes.sum() / 1e9
+            _tf_compat.print_msg(
+                f"kfit_ps: indexed {len(names)} {self.record_kind} files ({gigabytes:.2f} GB, "
+                f"{counts.sum():,} records) in {seconds:.1f} s ({seconds / gigabytes:.1f} s/GB).")
+
+        # Where each batch's first record is (file, byte), and the end of the data after them.
+        offsets = np.concatenate([index.offsets for index in indexes])
+        ends = np.cumsum(counts)
+        starts = np.arange(self.num_batches + 1, dtype=np.int64) * self.batch_size
+        starts[-1] = self.num_examples
+        batch_file = np.searchsorted(ends, starts, side="right").astype(np.int64)
+        inside = starts < counts.sum()
+        batch_offset = np.where(inside, offsets[np.minimum(starts, len(offsets) - 1)], 0)
+        if not inside[-1]:  # The data's end: past the last file.
+            batch_file[-1] = len(names)
+        first = np.asarray([index.offsets[0] if index.records else index.size
+                            for index in indexes], np.int64)
+        self.tables = {"paths": np.asarray(names, object), "sizes": sizes, "first": first,
+                        "batch_file": batch_file, "batch_offset": batch_offset}
+        self.files = names
+
+    def worker_data(self, coordinator):
+        """Each worker's copy of the file list and the batch table (sent once)."""
+        tables = self.tables
+        return coordinator.create_per_worker_dataset(
+            lambda: tf.data.Dataset.from_tensors(tables)).build()
+
+    def read(self, data, batch, epoch):
+        """Batch `batch` (int64 scalar tensor), inside a function: its records from their
+        byte offset, through the pipeline's steps after its reader."""
+        del epoch  # The files' order, every epoch.
+        tables = tf.data.experimental.at(data, 0)
+        batch = tf.cast(batch, tf.int64)
+        count = tf.minimum(tf.constant(self.batch_size, tf.int64),
+                           self.num_examples - batch * self.batch_size)
+        file, offset = tables["batch_file"][batch], tables["batch_offset"][batch]
+        if self.record_kind == TFRECORD:
+            records = self._tfrecords(tables, file, offset)
+        else:
+            records = self._lines(tables, file, offset, tables["batch_file"][batch + 1],
+                                  tables["batch_offset"][batch + 1])
+        dataset = dataset_graph.replay(self._graph, self._output, self._root,
+                                       records.take(count), self.element_spec)
+        return dataset.get_single_element()
+
+    @staticmethod
+    def _tfrecords(tables, file, offset):
+        """Records from `offset` of file `file` on, through the files after it."""
+        offsets = tf.concat([[offset], tables["first"][file + 1:]], 0)
+        variant = tf.raw_ops.TFRecordDatasetV2(
+            filenames=tables["paths"][file:], compression_type="", buffer_size=_READ_BUFFER,
+            byte_offsets=offsets)
+        return tf.data.experimental.from_variant(variant, tf.TensorSpec([], tf.string))
+
+    @staticmethod
+    def _lines(tables, file, offset, end_file, end_offset):
+        """Lines from `offset` of file `file` to `end_offset` of file `end_file`: each file's
+        byte range read as one record, split at its newlines ('\\r' removed, as
+        TextLineDataset does)."""
+        last = tf.minimum(end_file, tf.size(tables["paths"], tf.int64) - 1)
+        files = tf.range(file, last + 1)
+        starts = tf.where(files == file, offset, tf.gather(tables["first"], files))
+        sizes = tf.gather(tables["sizes"], files)
+        ends = tf.where(files == end_file, end_offset, sizes)
+        keep = ends > starts
+        segments = tf.data.Dataset.from_tensor_slices(tuple(
+            tf.boolean_mask(t, keep) for t in (tf.gather(tables["paths"], files), starts,
+                                                ends, sizes)))
+
+        def lines(path, start, end, size):
+            chunks = tf.data.FixedLengthRecordDataset(
+                path, end - start, header_bytes=start, footer_bytes=size - end,
+                buffer_size=_READ_BUFFER)
+            return chunks.map(_split_lines).unbatch()
+
+        return segments.flat_map(lines)
+
+    def describe(self):
+        """What identifies the data: the files (names, sizes, modification times), the
+        records skipped per file and the batch size."""
+        crc = zlib.crc32(f"{self.record_kind}/{self.skip}".encode())
+        for index in self._indexes:
+            crc = zlib.crc32(f"{index.path}\x1f{index.size}\x1f{index.mtime_ns}\x1e".encode(),
+                             crc)
+        total = sum(index.size for index in self._indexes)
+        return {"kind": self.kind, "batches": self.num_batches, "examples": self.num_examples,
+                "batch_size": self.batch_size,
+                "files": f"{len(self._indexes)} {self.record_kind} files, {total} bytes",
+                "fingerprint": f"{crc:08x}"}
+
+
+def _split_lines(chunk):
+    """The lines of a byte range that ends at a line's end."""
+    chunk = tf.strings.regex_replace(chunk, "\r", "")
+    return tf.strings.split(tf.strings.regex_replace(chunk, "\n$", ""), "\n")
