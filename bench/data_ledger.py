@@ -28,6 +28,10 @@ one epoch, each restarted 0.3 s later), `ledger` and `data_service`: examples
 lost (trained 0 times), duplicated (trained more than once), and for the
 ledger what it reported as re-run.
 
+The file index (`--index-megabytes` of TFRecord files of Criteo-sized records,
+about 200 bytes each, and as much CSV text): seconds to index them on one core
+of the chief, per GB, just after writing them (in the page cache).
+
     python bench/data_ledger.py                    # docs/benchmarks.md
 """
 
@@ -48,6 +52,8 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 THROUGHPUT = ("ledger", "stream", "data_service")
 FAILURES = ("ledger_kills", "data_service_kills")
+INDEX = "index"
+_RECORD_BYTES = 200  # A Criteo example as a tf.train.Example, about.
 SPE = 5
 
 
@@ -171,6 +177,46 @@ def _kill_workers(cluster, model, args, seed):
                              workers=args.workers)
 
 
+def _index_cost(args):
+    """Seconds per GB to index `--index-megabytes` of TFRecord files and of text files (4 of
+    each), by `kfit_ps.ledger.file_index` in this process."""
+    import numpy as np
+    import tensorflow as tf
+
+    from kfit_ps.ledger import file_index
+
+    folder = tempfile.mkdtemp(prefix="kfit_ps_index_bench_")
+    per_file = args.index_megabytes * 2**20 // 4
+    record = bytes(range(256))[:_RECORD_BYTES - 16]  # + 16 bytes of framing: 200 bytes
+    line = (",".join(["1"] * 13 + ["68fd1e64"] * 26) + "\n").encode()
+    text_block = line * (2**20 // len(line))
+    result = {}
+    try:
+        for kind in (file_index.TFRECORD, file_index.TEXT):
+            paths = [os.path.join(folder, f"{kind}-{i}") for i in range(4)]
+            for path in paths:
+                if kind == file_index.TFRECORD:
+                    with tf.io.TFRecordWriter(path) as writer:
+                        for _ in range(per_file // _RECORD_BYTES):
+                            writer.write(record)
+                else:
+                    with open(path, "wb") as f:
+                        for _ in range(max(1, per_file // len(text_block))):
+                            f.write(text_block)
+            gigabytes = sum(os.path.getsize(p) for p in paths) / 1e9
+            indexes, seconds = file_index.index_files(paths, kind, threads=1)
+            result[kind] = {"gigabytes": gigabytes, "seconds": seconds,
+                            "seconds_per_gb": seconds / gigabytes,
+                            "records": int(np.sum([i.records for i in indexes]))}
+            for path in paths:
+                os.remove(path)
+    finally:
+        for name in os.listdir(folder):
+            os.remove(os.path.join(folder, name))
+        os.rmdir(folder)
+    return result
+
+
 def run_child(args):
     import numpy as np
     import tensorflow as tf
@@ -178,6 +224,9 @@ def run_child(args):
     import kfit_ps
 
     name = args.child
+    if name == INDEX:
+        child_process.report(_index_cost(args))
+        return
     arrays = _arrays(args)
     batches = -(-args.examples // args.batch_size)
     service = _DataService() if name.startswith("data_service") else None
@@ -242,8 +291,10 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--failure-repeats", type=int, default=1)
+    parser.add_argument("--index-megabytes", type=int, default=1024,
+                        help="input indexed for the index's cost, per kind (0: none)")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--child", choices=THROUGHPUT + FAILURES, default=None,
+    parser.add_argument("--child", choices=THROUGHPUT + FAILURES + (INDEX,), default=None,
                         help=argparse.SUPPRESS)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
@@ -265,6 +316,11 @@ def main(argv=None):
             r = results[name][-1]
             print(f"{name}: {r['kills']} kills, lost {r['lost']}, duplicated {r['duplicated']}, "
                   f"{r['examples_per_s']:,.0f} examples/s", flush=True)
+    index = child_process.measure(script, INDEX, argv) if args.index_megabytes else None
+    for kind, cost in (index or {}).items():
+        print(f"index of {kind} files: {cost['gigabytes']:.2f} GB, {cost['records']:,} records "
+              f"in {cost['seconds']:.2f} s on one core ({cost['seconds_per_gb']:.2f} s/GB)",
+              flush=True)
     ratios = [a["examples_per_s"] / b["examples_per_s"]
               for a, b in zip(results["ledger"], results["stream"])]
     summary = {
@@ -274,6 +330,7 @@ def main(argv=None):
         "ratio_ledger_over_stream": {"median": statistics.median(ratios),
                                      "per_repeat": ratios} if ratios else None,
         "runs": results,
+        "index": index,
     }
     if ratios:
         print(f"ledger / stream: median {statistics.median(ratios):.2f} "

@@ -40,7 +40,8 @@ SCRIPTS = {
     "scaling": (["bench/scaling.py", "--workers", "1,2", "--ps", "1", "--steps", "10", "--rows",
                  "3000", "--json", "{out}/scaling.json", "--png", "{out}/scaling.png"], 900),
     "data_ledger": (["bench/data_ledger.py", "--repeats", "1", "--examples", "20000",
-                     "--epochs", "2", "--kills", "2", "--json", "{out}/data_ledger.json"], 900),
+                     "--epochs", "2", "--kills", "2", "--index-megabytes", "8", "--json",
+                     "{out}/data_ledger.json"], 900),
     "observability_overhead": (["bench/observability_overhead.py", "--repeats", "1", "--pairs",
                                 "1", "--steps", "10", "--rows", "3000", "--json",
                                 "{out}/observability.json"], 600),
@@ -232,6 +233,10 @@ def test_data_ledger_reports_both_answers_to_worker_loss(scripts):
     assert service["kills"] == 2 and service["trained"] + service["lost"] == 20000
     assert result["ratio_ledger_over_stream"]["median"] > 0
     assert result["examples_per_s"]["data_service"] > 0
+    for kind, records in (("TFRecord", 8 * 2**20 // 4 // 200 * 4), ("text", None)):
+        index = result["index"][kind]
+        assert index["seconds_per_gb"] > 0 and index["gigabytes"] > 0.008, result["index"]
+        assert records is None or index["records"] == records
 
 
 @pytest.mark.slow
