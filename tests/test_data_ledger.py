@@ -336,6 +336,33 @@ def test_a_backup_over_files_resumes_only_on_the_same_files(model, tmp_path):
         r"content fingerprint (\w+)", message))) == 2, message
 
 
+def test_the_file_index_is_kept_beside_the_launchers_backup_and_read_back(tmp_path,
+                                                                         monkeypatch):
+    """Under `kfit-ps run --backup-dir`, a restarted chief reads each file's index from the
+    backup folder instead of the file; a file that changed is indexed again."""
+    from kfit_ps import constants
+    from kfit_ps.ledger import file_index
+
+    paths = helpers.indexed_files(str(tmp_path / "data"), "csv", sizes=(300, 0, 7))
+    monkeypatch.setenv(constants.BACKUP_DIR_ENV, str(tmp_path / "backup"))
+    first = kfit_ps.ledger.dataset_source(helpers.indexed_file_dataset(paths, 64), "x")
+    cached = sorted(os.listdir(tmp_path / "backup" / "file-index"))
+    assert len(cached) == 3 and all(name.endswith(".npy") for name in cached), cached
+    monkeypatch.setattr(file_index, "_cache", {})  # As in a restarted chief...
+
+    def unread(path, size):
+        raise AssertionError(f"{path} was read again")
+
+    monkeypatch.setattr(file_index, "_line_offsets", unread)  # ...that reads no file.
+    again = kfit_ps.ledger.dataset_source(helpers.indexed_file_dataset(paths, 64), "x")
+    np.testing.assert_array_equal(again.tables["batch_offset"], first.tables["batch_offset"])
+    assert again.describe() == first.describe()
+    stat = os.stat(paths[0])
+    os.utime(paths[0], ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    with pytest.raises(AssertionError, match="part-00000.csv was read again"):
+        kfit_ps.ledger.dataset_source(helpers.indexed_file_dataset(paths, 64), "x")
+
+
 def test_compressed_files_and_record_filters_are_refused_with_the_reason(model, tmp_path):
     paths = helpers.indexed_files(str(tmp_path), "tfrecord", sizes=(10, 20))
     for dataset, reason in [

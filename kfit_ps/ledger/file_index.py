@@ -10,14 +10,21 @@ their headers only.
 
 `index_files` indexes files in parallel and keeps each file's index in this
 process, keyed by the path, size and modification time: a file that changed
-is indexed again.
+is indexed again. Given a cache folder (beside `kfit-ps run --backup-dir`'s
+backups), it also keeps each index there, so a restarted chief reads it
+instead of the files: a `.npy` file named by the key's CRC32, written under
+a temporary name and renamed when complete.
 """
 
 import concurrent.futures
 import dataclasses
+import io
+import os
 import struct
 import threading
 import time
+import uuid
+import zlib
 
 import numpy as np
 import tensorflow as tf
@@ -46,20 +53,28 @@ _cache = {}
 _cache_lock = threading.Lock()
 
 
-def index_files(paths, kind, skip=0, threads=8):
+def index_files(paths, kind, skip=0, threads=8, cache_dir=None):
     """`(indexes, seconds)`: a `FileIndex` per path, in order, without each file's first
-    `skip` records (a header line), and the time indexing took (0 when all were cached)."""
+    `skip` records (a header line), and the time reading the files took (0 when every index
+    was cached, here or in `cache_dir`)."""
     start = time.monotonic()
     stats = [tf.io.gfile.stat(path) for path in paths]
     keys = [(kind, path, stat.length, stat.mtime_nsec) for path, stat in zip(paths, stats)]
     with _cache_lock:
         missing = [key for key in dict.fromkeys(keys) if key not in _cache]
+    stored = {key: _load(cache_dir, key) for key in missing} if cache_dir else {}
+    with _cache_lock:
+        _cache.update((key, offsets) for key, offsets in stored.items() if offsets is not None)
+    missing = [key for key in missing if stored.get(key) is None]
     if missing:
         reader = _tfrecord_offsets if kind == TFRECORD else _line_offsets
         with concurrent.futures.ThreadPoolExecutor(min(threads, len(missing))) as pool:
             found = dict(zip(missing, pool.map(lambda key: reader(key[1], key[2]), missing)))
         with _cache_lock:
             _cache.update(found)
+        for key, offsets in found.items():
+            if cache_dir:
+                _store(cache_dir, key, offsets)
     with _cache_lock:
         indexes = [FileIndex(key[1], key[2], key[3], _cache[key][skip:]) for key in keys]
     return indexes, (time.monotonic() - start if missing else 0.0)
@@ -98,3 +113,36 @@ def _line_offsets(path, size):
             position += len(block)
     starts = np.concatenate(parts)
     return starts[starts < size]
+
+
+def _cache_path(cache_dir, key):
+    return os.path.join(cache_dir, f"{zlib.crc32(repr(key).encode()):08x}.npy")
+
+
+def _load(cache_dir, key):
+    """The offsets stored for `key` in `cache_dir`, or None. The key is stored with them (a
+    CRC32 may collide)."""
+    path = _cache_path(cache_dir, key)
+    try:
+        with tf.io.gfile.GFile(path, "rb") as f:
+            stored = np.load(io.BytesIO(f.read()), allow_pickle=False)
+    except (tf.errors.NotFoundError, ValueError, OSError):
+        return None
+    header, offsets = stored[:4], stored[4:]
+    same = header.tolist() == [zlib.crc32(repr(key).encode()), key[2], key[3], len(offsets)]
+    return offsets if same else None
+
+
+def _store(cache_dir, key, offsets):
+    """Writes `offsets` for `key` under a temporary name, then renames it: a reader finds a
+    complete index or none."""
+    tf.io.gfile.makedirs(cache_dir)
+    header = np.asarray([zlib.crc32(repr(key).encode()), key[2], key[3], len(offsets)],
+                        np.int64)
+    buffer = io.BytesIO()
+    np.save(buffer, np.concatenate([header, offsets]), allow_pickle=False)
+    path = _cache_path(cache_dir, key)
+    partial = f"{path}.{uuid.uuid4().hex}.partial"
+    with tf.io.gfile.GFile(partial, "wb") as f:
+        f.write(buffer.getvalue())
+    tf.io.gfile.rename(partial, path, overwrite=True)

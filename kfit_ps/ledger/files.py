@@ -11,7 +11,8 @@ batch index like the ledger's other sources:
   file list; a shuffled list, as `list_files` makes by default, sorted), and
   batch `b` holds records `[b * batch_size, (b + 1) * batch_size)`;
 - `file_index` finds where each record starts, once per file and size and
-  modification time;
+  modification time (kept beside `kfit-ps run --backup-dir`'s backups: a
+  restarted chief does not read the files again);
 - on the worker, batch `b`'s reader starts at its first record's byte offset
   (`TFRecordDatasetV2`'s `byte_offsets`; a byte range of a text file read as
   one fixed-length record and split into lines), and the pipeline's own steps
@@ -22,12 +23,13 @@ entered mid-file), steps between the reader and the batch that change the
 number of records (`filter`, `take`, `skip`, `unbatch`, `shuffle`...).
 """
 
+import os
 import zlib
 
 import numpy as np
 import tensorflow as tf
 
-from kfit_ps import _tf_compat
+from kfit_ps import _tf_compat, constants
 from kfit_ps.ledger.batched import Batched
 from kfit_ps._tf_compat import dataset_graph
 from kfit_ps.ledger.file_index import TEXT, TFRECORD, index_files
@@ -172,7 +174,9 @@ class FileSource(Batched):
             names.sort()  # `list_files` shuffles: the sorted names are the order.
         if not names:
             raise NotFiles("its file list is empty")
-        indexes, seconds = index_files(names, self.record_kind, self.skip)
+        backup = constants.launcher_backup()  # A restarted chief reads the index there.
+        indexes, seconds = index_files(names, self.record_kind, self.skip, cache_dir=(
+            os.path.join(backup[0], "file-index") if backup else None))
         self._indexes = indexes
         sizes = np.asarray([index.size for index in indexes], np.int64)
         counts = np.asarray([index.records for index in indexes], np.int64)
