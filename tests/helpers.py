@@ -351,10 +351,11 @@ def indexed_files(directory, kind, sizes=FILE_SIZES, features=8):
 def indexed_file_dataset(paths, batch_size, features=8):
     """A reader of `indexed_files`' files as a user writes one, giving `((x, index), y)`
     batches as `indexed_arrays`: `TFRecordDataset` then `parse_example` on each batch, or
-    `TextLineDataset(path).skip(1)` in `interleave` then `decode_csv` on each line."""
+    `TextLineDataset(path).skip(1)` in `interleave` then `decode_csv` on each line. `paths`
+    may be a dataset of TFRecord files' names (`list_files`), read in `interleave`."""
     import tensorflow as tf
 
-    if paths[0].endswith(".tfrecord"):
+    if isinstance(paths, tf.data.Dataset) or paths[0].endswith(".tfrecord"):
         spec = {"x": tf.io.FixedLenFeature([features], tf.float32),
                 "index": tf.io.FixedLenFeature([], tf.int64),
                 "y": tf.io.FixedLenFeature([1], tf.float32)}
@@ -363,7 +364,9 @@ def indexed_file_dataset(paths, batch_size, features=8):
             parsed = tf.io.parse_example(records, spec)
             return (parsed["x"], parsed["index"]), parsed["y"]
 
-        return tf.data.TFRecordDataset(paths).batch(batch_size).map(parse).prefetch(2)
+        records = (paths.interleave(tf.data.TFRecordDataset, cycle_length=4)
+                   if isinstance(paths, tf.data.Dataset) else tf.data.TFRecordDataset(paths))
+        return records.batch(batch_size).map(parse).prefetch(2)
 
     def parse_line(line):
         fields = tf.io.decode_csv(line, [tf.constant(0, tf.int64)] + [0.0] * (features + 1))

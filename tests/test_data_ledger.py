@@ -69,14 +69,18 @@ def test_a_dataset_creator_with_a_finite_dataset_is_one_pass(model):
     assert np.bincount(counts).tolist() == [0, N]
 
 
-@pytest.mark.parametrize("kind", ["tfrecord", "csv"])
+@pytest.mark.parametrize("kind", ["tfrecord", "csv", "list_files"])
 def test_files_train_every_record_once_per_epoch(model, kind, tmp_path):
-    """TFRecord files, and CSV files with a header read by `interleave`, of uneven sizes
-    (one empty, batches across file boundaries): each worker reads a batch from its first
-    record's byte offset, and every record is trained once per epoch."""
-    paths = helpers.indexed_files(str(tmp_path), kind)
-    counts, logs = _counts_after(model, lambda: model.fit(
-        helpers.indexed_file_dataset(paths, BATCH), epochs=2, verbose=0))
+    """TFRecord files, CSV files with a header read by `interleave`, and TFRecord files of a
+    shuffled `list_files` (a new order of batches each epoch), of uneven sizes (one empty,
+    batches across file boundaries): each worker reads a batch from its first record's byte
+    offset, and every record is trained once per epoch."""
+    paths = helpers.indexed_files(str(tmp_path), "csv" if kind == "csv" else "tfrecord")
+    dataset = helpers.indexed_file_dataset(paths, BATCH)
+    if kind == "list_files":
+        dataset = helpers.indexed_file_dataset(
+            tf.data.Dataset.list_files(str(tmp_path / "*.tfrecord")), BATCH)
+    counts, logs = _counts_after(model, lambda: model.fit(dataset, epochs=2, verbose=0))
     assert np.bincount(counts).tolist() == [0, 0, N]
     assert logs["ledger_splits"] == [8.0, 8.0]
     assert logs["ledger_splits_rerun"] == logs["ledger_splits_lost"] == [0.0, 0.0]
@@ -309,6 +313,31 @@ def test_a_backup_resumes_only_on_the_same_data(model, tmp_path):
     assert f"content fingerprint {fingerprint}" in str(info.value)
 
 
+def test_a_shuffled_file_list_trains_a_new_seeded_order_of_batches_each_epoch(tmp_path):
+    paths = helpers.indexed_files(str(tmp_path), "tfrecord")
+    pattern = str(tmp_path / "*.tfrecord")
+    source = kfit_ps.ledger.dataset_source(helpers.indexed_file_dataset(
+        tf.data.Dataset.list_files(pattern), BATCH), "x")
+    assert source.shuffle and source.files == sorted(paths)
+    data = tf.data.Dataset.from_tensors(source.tables)
+    read = tf.function(lambda b, e: source.read(data, b, e)[0][1])
+    orders = [np.concatenate([read(tf.constant(b, tf.int64), tf.constant(e, tf.int64))
+                              for b in range(source.num_batches)]) for e in (0, 1)]
+    for order in orders:
+        assert sorted(order.tolist()) == list(range(N))
+        # Whole batches of the files' order move; the short last one stays last.
+        assert order[-(N % BATCH):].tolist() == list(range(N - N % BATCH, N))
+        assert all(order[i + 1] == order[i] + 1 for i in range(0, N - 1) if (i + 1) % BATCH)
+    assert (orders[0] != orders[1]).mean() > 0.9
+    # The same order in a restarted chief (another source of the same files).
+    again = kfit_ps.ledger.dataset_source(helpers.indexed_file_dataset(
+        tf.data.Dataset.list_files(pattern, shuffle=True), BATCH), "x")
+    assert again.seed == source.seed and again.describe() == source.describe()
+    records = tf.data.TFRecordDataset(paths)
+    with pytest.raises(ValueError, match=r"it shuffles its records or batches \(ShuffleDataset"):
+        kfit_ps.ledger.dataset_source(records.shuffle(100).batch(BATCH), "x")
+
+
 def test_a_backup_over_files_resumes_only_on_the_same_files(model, tmp_path):
     """A backup records the files (names, sizes, modification times): a resume after one
     of them changed is refused, naming both; unchanged, it trains the next epoch only."""
@@ -331,7 +360,8 @@ def test_a_backup_over_files_resumes_only_on_the_same_files(model, tmp_path):
         fit(3)
     message = str(info.value)
     assert "written while training on other data" in message
-    assert message.count("examples of files, batch size 256, 8 TFRecord files") == 2, message
+    kind = "examples of files, batch size 256, not shuffled, 8 TFRecord files"
+    assert message.count(kind) == 2, message
     assert message.count("content fingerprint") == 2 and len(set(re.findall(
         r"content fingerprint (\w+)", message))) == 2, message
 

@@ -8,8 +8,10 @@ per-batch steps (`map`, one `batch` or `padded_batch`, `prefetch`) is read by
 batch index like the ledger's other sources:
 
 - the records are the files' records in the files' order (the pipeline's
-  file list; a shuffled list, as `list_files` makes by default, sorted), and
-  batch `b` holds records `[b * batch_size, (b + 1) * batch_size)`;
+  file list), and batch `b` holds records `[b * batch_size, (b + 1) *
+  batch_size)`; a shuffled file list (`list_files`' default) is sorted, and
+  each epoch trains the full batches in a permutation of its own (seeded by
+  the files and the epoch: a restarted chief draws the same one);
 - `file_index` finds where each record starts, once per file and size and
   modification time (kept beside `kfit-ps run --backup-dir`'s backups: a
   restarted chief does not read the files again);
@@ -146,6 +148,12 @@ class FileSource(Batched):
             node = nodes[_name(node.input[0])]
         reader = (_per_file_reader(library, node.attr["f"].func.name)
                   if node.op in _PER_FILE else None)
+        if node.op in _SHUFFLES:
+            raise NotFiles(
+                f"it shuffles its records or batches ({node.op}): each worker would draw its "
+                "own order. Shuffle the file list instead (`Dataset.list_files(pattern)`, or "
+                "`from_tensor_slices(files).shuffle(len(files))`): each epoch then trains the "
+                "batches in a new seeded order")
         if reader is None:
             raise NotFiles(
                 f"before its batch comes a {node.op}: not a file reader over a list of files, "
@@ -170,8 +178,11 @@ class FileSource(Batched):
         files_node = _name(node.input[0])
         names = [n.decode() for n in dataset_graph.evaluate(
             graph, files_node, tf.TensorSpec([], tf.string)).as_numpy_iterator()]
-        if _ops_below(nodes, files_node) & set(_SHUFFLES):
-            names.sort()  # `list_files` shuffles: the sorted names are the order.
+        # A shuffled file list (`list_files`' default, or `shuffle` of the names) asks for a
+        # new order each epoch: the names are sorted, and the batches permuted per epoch.
+        self.shuffle = bool(_ops_below(nodes, files_node) & set(_SHUFFLES))
+        if self.shuffle:
+            names.sort()
         if not names:
             raise NotFiles("its file list is empty")
         backup = constants.launcher_backup()  # A restarted chief reads the index there.
@@ -188,6 +199,8 @@ class FileSource(Batched):
                            f"{self.batch_size} records")
         self.num_batches = -(-self.num_examples // self.batch_size)
         self.last_size = self.num_examples - (self.num_batches - 1) * self.batch_size
+        # Permuted each epoch when shuffled: the full batches (a short last one stays last).
+        self._full_batches = self.num_batches - (self.last_size < self.batch_size)
         if sizes.sum() >= _REPORTED_BYTES and seconds:
             gigabytes = sizes.sum() / 1e9
             _tf_compat.print_msg(
@@ -206,6 +219,7 @@ class FileSource(Batched):
             batch_file[-1] = len(names)
         first = np.asarray([index.offsets[0] if index.records else index.size
                             for index in indexes], np.int64)
+        self.seed = zlib.crc32(f"{names}/{self.num_examples}/{self.batch_size}".encode())
         self.tables = {"paths": np.asarray(names, object), "sizes": sizes, "first": first,
                         "batch_file": batch_file, "batch_offset": batch_offset}
         self.files = names
@@ -217,11 +231,16 @@ class FileSource(Batched):
             lambda: tf.data.Dataset.from_tensors(tables)).build()
 
     def read(self, data, batch, epoch):
-        """Batch `batch` (int64 scalar tensor), inside a function: its records from their
-        byte offset, through the pipeline's steps after its reader."""
-        del epoch  # The files' order, every epoch.
+        """Batch `batch` (int64 scalar tensor) of epoch `epoch`, inside a function: its
+        records from their byte offset, through the pipeline's steps after its reader."""
         tables = tf.data.experimental.at(data, 0)
         batch = tf.cast(batch, tf.int64)
+        if self.shuffle and self._full_batches > 1:  # The epoch's permutation of batches.
+            seed = tf.stack([tf.constant(self.seed, tf.int64), tf.cast(epoch, tf.int64)])
+            permuted = tf.random.experimental.index_shuffle(
+                tf.minimum(batch, self._full_batches - 1), seed,
+                tf.constant(self._full_batches - 1, tf.int64))
+            batch = tf.where(batch < self._full_batches, permuted, batch)
         count = tf.minimum(tf.constant(self.batch_size, tf.int64),
                            self.num_examples - batch * self.batch_size)
         file, offset = tables["batch_file"][batch], tables["batch_offset"][batch]
@@ -275,7 +294,7 @@ class FileSource(Batched):
                              crc)
         total = sum(index.size for index in self._indexes)
         return {"kind": self.kind, "batches": self.num_batches, "examples": self.num_examples,
-                "batch_size": self.batch_size,
+                "batch_size": self.batch_size, "shuffle": self.shuffle, "seed": self.seed,
                 "files": f"{len(self._indexes)} {self.record_kind} files, {total} bytes",
                 "fingerprint": f"{crc:08x}"}
 
