@@ -232,6 +232,7 @@ def test_data_ledger_reports_both_answers_to_worker_loss(scripts):
     [service] = result["runs"]["data_service_kills"]
     assert service["kills"] == 2 and service["trained"] + service["lost"] == 20000
     assert result["ratio_ledger_over_stream"]["median"] > 0
+    assert result["ratio_files_ledger_over_stream"]["median"] > 0  # TFRecord files
     assert result["examples_per_s"]["data_service"] > 0
     for kind, records in (("TFRecord", 8 * 2**20 // 4 // 200 * 4), ("text", None)):
         index = result["index"][kind]

@@ -338,6 +338,44 @@ def test_a_shuffled_file_list_trains_a_new_seeded_order_of_batches_each_epoch(tm
         kfit_ps.ledger.dataset_source(records.shuffle(100).batch(BATCH), "x")
 
 
+def test_text_batches_hold_exactly_the_lines_textlinedataset_reads(tmp_path):
+    """Empty lines, "\\r" anywhere (TextLineDataset removes each), a last line without a
+    newline (followed by another file), a file of only "\\r" (no line), empty files."""
+    contents = [b"a\r\n\r\nb", b"\r", b"", b"c\nd\n\r\n", b"\n", b"e\rf", b"\r\r\n\r"]
+    paths = []
+    for i, content in enumerate(contents):
+        paths.append(str(tmp_path / f"{i}.txt"))
+        with open(paths[-1], "wb") as f:
+            f.write(content)
+    expected = list(tf.data.TextLineDataset(paths).as_numpy_iterator())
+    assert expected == [b"a", b"", b"b", b"c", b"d", b"", b"", b"ef", b""]
+    for batch_size in (1, 2, 4):
+        source = kfit_ps.ledger.dataset_source(
+            tf.data.TextLineDataset(paths).batch(batch_size), "x")
+        assert source.num_examples == len(expected)
+        data = tf.data.Dataset.from_tensors(source.tables)
+        zero = tf.constant(0, tf.int64)
+        read = tf.function(lambda b: source.read(data, b, zero))
+        one_by_one = [read(tf.constant(b, tf.int64)).numpy() for b in range(source.num_batches)]
+        assert np.concatenate(one_by_one).tolist() == expected, batch_size
+
+        @tf.function
+        def together():  # One reader for every batch.
+            get = source.batches_from(data, zero, source.num_batches, zero)
+            return [get(j) for j in range(source.num_batches)]
+
+        assert np.concatenate([b.numpy() for b in together()]).tolist() == expected
+
+
+def test_a_truncated_tfrecord_file_is_refused_naming_it(tmp_path):
+    paths = helpers.indexed_files(str(tmp_path), "tfrecord", sizes=(3, 2))
+    with open(paths[1], "ab") as f:
+        f.write(b"\x05\x00\x00")  # 3 bytes: less than a record header
+    with pytest.raises(ValueError, match=f"{paths[1]} is not a TFRecord file .* its record "
+                                         "headers end at byte"):
+        kfit_ps.ledger.dataset_source(helpers.indexed_file_dataset(paths, 4), "x")
+
+
 def test_a_backup_over_files_resumes_only_on_the_same_files(model, tmp_path):
     """A backup records the files (names, sizes, modification times): a resume after one
     of them changed is refused, naming both; unchanged, it trains the next epoch only."""
@@ -354,14 +392,18 @@ def test_a_backup_over_files_resumes_only_on_the_same_files(model, tmp_path):
     saved = model.counts.numpy()
     assert fit(2).history["ledger_splits"] == [8.0, 8.0]  # epoch 2 only, then the History's
     assert (model.counts.numpy() == saved + 1).all()
+    before = tf.io.gfile.stat(paths[3])  # Its modification time: to the second.
     stat = os.stat(paths[3])
     os.utime(paths[3], ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # same bytes
     with pytest.raises(ValueError) as info:
         fit(3)
     message = str(info.value)
+    size, mtime = before.length, before.mtime_nsec
     assert "written while training on other data" in message
     kind = "examples of files, batch size 256, not shuffled, 8 TFRecord files"
     assert message.count(kind) == 2, message
+    assert f"The first file that differs: {paths[3]} (size {size}, modified {mtime} ns) in " \
+        f"the backup, {paths[3]} (size {size}, modified {mtime + 10**9} ns) now." in message
     assert message.count("content fingerprint") == 2 and len(set(re.findall(
         r"content fingerprint (\w+)", message))) == 2, message
 
@@ -399,7 +441,9 @@ def test_compressed_files_and_record_filters_are_refused_with_the_reason(model, 
             (tf.data.TFRecordDataset(paths, compression_type="GZIP").batch(4),
              "its files are GZIP-compressed"),
             (tf.data.TFRecordDataset(paths).filter(lambda r: True).batch(4),
-             "before its batch comes a FilterDataset")]:
+             "it has a FilterDataset where a file reader"),
+            (tf.data.Dataset.from_tensor_slices(paths).batch(2).flat_map(
+                tf.data.TFRecordDataset).batch(4), "is not one file name per element")]:
         with pytest.raises(ValueError) as info:
             model.fit(dataset, epochs=1, verbose=0)
         assert reason in str(info.value) and "steps_per_epoch" in str(info.value)

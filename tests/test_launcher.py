@@ -427,13 +427,16 @@ def test_sigterm_saves_the_steps_in_flight_and_the_rerun_loses_none(tmp_path, to
     backup = tmp_path / "backup"
     flags = ("--workers", "1", "--ps", "1", "--backup-dir", str(backup), "--grace", "60")
     plan = json.dumps([[1, 2000]])  # one long epoch, backed up only at its end
-    # Paced (30 ms before each function: at least 12 s for the epoch), so that the signal
-    # lands in the epoch; the rerun runs at full speed.
-    job = Job(tmp_path, *flags, script=FITS,
-              script_args=(plan, f"paced={tmp_path / 'never-created'}"))
+    # Paced (30 ms before each function: at most 1,200 steps in 7 s), then at full speed for
+    # the last 0.5 s before the signal, so that it lands in the epoch with the coordinator's
+    # queue of functions full; the rerun runs at full speed.
+    unpaced = tmp_path / "unpaced"
+    job = Job(tmp_path, *flags, script=FITS, script_args=(plan, f"paced={unpaced}"))
     try:
         job.read_until(lambda line: epoch_line(line) == (1, 0, 0))
-        time.sleep(random.Random(7).uniform(4.0, 7.0))
+        time.sleep(random.Random(7).uniform(4.0, 7.0) - 0.5)
+        unpaced.touch()
+        time.sleep(0.5)
         started = time.monotonic()
         if to == "group":
             os.killpg(job.proc.pid, signal.SIGTERM)  # the launcher's session leads its group

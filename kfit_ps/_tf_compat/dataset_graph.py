@@ -4,8 +4,10 @@ A finite pipeline over files (`TFRecordDataset(files).map(parse).batch(n)`)
 is its reader followed by a tail of per-record and per-batch steps. The
 ledger's file source (`kfit_ps.ledger.files`) keeps the tail as the user wrote
 it and replaces the reader, batch by batch, with one that starts at the
-batch's first record (`replay`). The graph comes from the dataset's private
-`_as_serialized_graph`; the rest is public (`tf.graph_util.import_graph_def`,
+batch's first record (`replay`). Private: the dataset's `_as_serialized_graph`,
+and the eager context's `add_function_def` (the graph's functions registered
+under their names, so that they outlive the user's dataset: TensorFlow counts
+the registrations); the rest is public (`tf.graph_util.import_graph_def`,
 `tf.data.experimental.from_variant`, `tf.raw_ops.DatasetFromGraph`).
 """
 

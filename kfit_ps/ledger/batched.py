@@ -1,8 +1,10 @@
-"""What the ledger's sources of batches share: how many examples a run of batches holds."""
+"""What the ledger's sources of batches share: how many examples a run of batches holds, and
+how a run of batches is read."""
 
 
 class Batched:
-    """`num_batches` batches of `batch_size` examples; the last holds `last_size`."""
+    """`num_batches` batches of `batch_size` examples; the last holds `last_size`. A source
+    reads batch `b` of an epoch with `read(data, b, epoch)` inside a traced function."""
 
     num_batches: int
     batch_size: int
@@ -15,3 +17,8 @@ class Batched:
             return 0
         full = stop - first - (1 if stop == self.num_batches else 0)
         return full * self.batch_size + (self.last_size if stop == self.num_batches else 0)
+
+    def batches_from(self, data, first, count, epoch):
+        """`get(j)`: batch `first + j` (`j` < `count`, asked in order) inside a traced
+        function; a source that reads a run of batches faster than one by one overrides it."""
+        return lambda j: self.read(data, first + j, epoch)

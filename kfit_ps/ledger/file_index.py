@@ -4,9 +4,9 @@ A TFRecord file is a sequence of records, each a 12-byte header (8-byte
 little-endian length, 4-byte CRC), the data and a 4-byte CRC: the start of
 record `i + 1` follows from record `i`'s header, so the index walks the
 headers. A text file's records are its lines: each starts after a newline.
-Both are read in blocks through `tf.io.gfile` (local paths, `gs://`, `ram://`):
-a record larger than a block is skipped by seeking, so large records cost
-their headers only.
+Both are read in blocks through `tf.io.gfile` (local paths, `gs://`, `ram://`;
+1 MB blocks for TFRecord headers, 16 MB for text): a TFRecord record larger
+than a block is skipped by seeking, so large records cost their headers only.
 
 `index_files` indexes files in parallel and keeps each file's index in this
 process, keyed by the path, size and modification time: a file that changed
@@ -89,14 +89,17 @@ def _tfrecord_offsets(path, size):
             if position + _HEADER > block_start + len(block):  # The header is not in `block`.
                 f.seek(position)
                 block, block_start = f.read(max(_BLOCK, _HEADER)), position
+            if position + _HEADER > block_start + len(block):  # Fewer than 12 bytes left.
+                break
             (length,) = struct.unpack_from("<Q", block, position - block_start)
             offsets.append(position)
             position += _HEADER + length + _FOOTER
         if position != size:
             raise ValueError(
-                f"{path} is not a TFRecord file (or it is compressed, or truncated): its last "
-                f"record's header says it ends at byte {position}, the file has {size} bytes. "
-                "Pass uncompressed TFRecord files, or `compression_type` for compressed ones.")
+                f"{path} is not a TFRecord file (or it is compressed, or truncated): its "
+                f"record headers end at byte {position}, the file has {size} bytes. Pass "
+                "uncompressed TFRecord files (compressed ones are not read by batch: stream "
+                "them with `steps_per_epoch`).")
     return np.asarray(offsets, np.int64)
 
 
@@ -112,7 +115,14 @@ def _line_offsets(path, size):
             parts.append(newlines.astype(np.int64) + position + 1)
             position += len(block)
     starts = np.concatenate(parts)
-    return starts[starts < size]
+    starts = starts[starts < size]
+    if len(starts):  # A last line without a newline is no record when it is only "\r"s
+        with tf.io.gfile.GFile(path, "rb") as f:  # (TextLineDataset removes every "\r").
+            f.seek(int(starts[-1]))
+            last = f.read()
+        if not last.endswith(b"\n") and not last.replace(b"\r", b""):
+            starts = starts[:-1]
+    return starts
 
 
 def _cache_path(cache_dir, key):

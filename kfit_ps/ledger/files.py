@@ -26,6 +26,7 @@ number of records (`filter`, `take`, `skip`, `unbatch`, `shuffle`...).
 """
 
 import os
+import posixpath
 import zlib
 
 import numpy as np
@@ -156,16 +157,17 @@ class FileSource(Batched):
                 "batches in a new seeded order")
         if reader is None:
             raise NotFiles(
-                f"before its batch comes a {node.op}: not a file reader over a list of files, "
-                "or a step that changes which records there are (`filter`, `take`, `skip`, "
-                "`shuffle`, `unbatch`...), so a batch's records cannot be found in the files"
+                f"it has a {node.op} where a file reader over a list of files, then only "
+                "`map`, one `batch` or `padded_batch` and `prefetch` were expected (a step such "
+                "as `filter`, `take`, `skip`, `cache` or `unbatch` changes which records or "
+                "batches there are), so its batches cannot be found in the files"
                 if node.op not in _PER_FILE else
                 "its per-file function is not a TFRecordDataset or TextLineDataset of the "
                 "file name (with at most a `skip(n)` of header records)")
         self.record_kind, compression, self.skip = reader
         if compression:
             raise NotFiles(f"its files are {compression}-compressed: a compressed file cannot "
-                           "be entered at a record")
+                           "be entered at a record (decompress them to read them by batch)")
         batches = [step for step in steps if step.op in _BATCHES]
         if len(batches) != 1:
             raise NotFiles(f"it batches {len(batches)} times after its reader (one `batch` "
@@ -176,7 +178,11 @@ class FileSource(Batched):
         self.element_spec = dataset.element_spec
 
         files_node = _name(node.input[0])
-        names = [n.decode() for n in dataset_graph.evaluate(
+        shapes = nodes[files_node].attr["output_shapes"].list.shape
+        if len(shapes) != 1 or len(shapes[0].dim) or shapes[0].unknown_rank:
+            raise NotFiles(f"its file list ({nodes[files_node].op}) is not one file name per "
+                           "element (a batched list?)")
+        names = [_normalized(n.decode()) for n in dataset_graph.evaluate(
             graph, files_node, tf.TensorSpec([], tf.string)).as_numpy_iterator()]
         # A shuffled file list (`list_files`' default, or `shuffle` of the names) asks for a
         # new order each epoch: the names are sorted, and the batches permuted per epoch.
@@ -195,12 +201,21 @@ class FileSource(Batched):
         if drop_remainder:
             self.num_examples -= self.num_examples % self.batch_size
         if self.num_examples == 0:
-            raise NotFiles(f"its {len(names)} file(s) hold no complete batch of "
-                           f"{self.batch_size} records")
+            raise NotFiles(f"its {len(names)} file(s) hold {int(counts.sum())} records, no "
+                           f"batch of {self.batch_size}" if drop_remainder else
+                           f"its {len(names)} file(s) hold no record")
         self.num_batches = -(-self.num_examples // self.batch_size)
         self.last_size = self.num_examples - (self.num_batches - 1) * self.batch_size
         # Permuted each epoch when shuffled: the full batches (a short last one stays last).
         self._full_batches = self.num_batches - (self.last_size < self.batch_size)
+        largest = int(sizes.argmax())
+        if self.record_kind == TEXT and sizes[largest] >= _REPORTED_BYTES:
+            _tf_compat.print_msg(
+                f"kfit_ps: reading a batch of a text file reads the file from its start to the "
+                f"batch (TensorFlow's readers cannot seek in text): {names[largest]} "
+                f"({sizes[largest] / 2**20:.0f} MB) costs up to that much per batch. Split "
+                "large text files into files of a few MB, or write TFRecord files (read from "
+                "each batch's byte offset).")
         if sizes.sum() >= _REPORTED_BYTES and seconds:
             gigabytes = sizes.sum() / 1e9
             _tf_compat.print_msg(
@@ -233,7 +248,6 @@ class FileSource(Batched):
     def read(self, data, batch, epoch):
         """Batch `batch` (int64 scalar tensor) of epoch `epoch`, inside a function: its
         records from their byte offset, through the pipeline's steps after its reader."""
-        tables = tf.data.experimental.at(data, 0)
         batch = tf.cast(batch, tf.int64)
         if self.shuffle and self._full_batches > 1:  # The epoch's permutation of batches.
             seed = tf.stack([tf.constant(self.seed, tf.int64), tf.cast(epoch, tf.int64)])
@@ -241,17 +255,29 @@ class FileSource(Batched):
                 tf.minimum(batch, self._full_batches - 1), seed,
                 tf.constant(self._full_batches - 1, tf.int64))
             batch = tf.where(batch < self._full_batches, permuted, batch)
-        count = tf.minimum(tf.constant(self.batch_size, tf.int64),
-                           self.num_examples - batch * self.batch_size)
-        file, offset = tables["batch_file"][batch], tables["batch_offset"][batch]
+        return self._batches(data, batch, 1).get_single_element()
+
+    def batches_from(self, data, first, count, epoch):
+        """`get(j)`: batch `first + j` of the `count` from `first`, for `j` in order. In the
+        files' order, one reader reads them all (a shuffled epoch reads each batch alone)."""
+        if self.shuffle and self._full_batches > 1:
+            return super().batches_from(data, first, count, epoch)
+        iterator = iter(self._batches(data, tf.cast(first, tf.int64), count))
+        return lambda j: next(iterator)
+
+    def _batches(self, data, first, count):
+        """The dataset of batches `[first, first + count)` in the files' order."""
+        tables = tf.data.experimental.at(data, 0)
+        records = tf.minimum(tf.constant(count * self.batch_size, tf.int64),
+                             self.num_examples - first * self.batch_size)
+        file, offset = tables["batch_file"][first], tables["batch_offset"][first]
         if self.record_kind == TFRECORD:
-            records = self._tfrecords(tables, file, offset)
+            reader = self._tfrecords(tables, file, offset)
         else:
-            records = self._lines(tables, file, offset, tables["batch_file"][batch + 1],
-                                  tables["batch_offset"][batch + 1])
-        dataset = dataset_graph.replay(self._graph, self._output, self._root,
-                                       records.take(count), self.element_spec)
-        return dataset.get_single_element()
+            reader = self._lines(tables, file, offset, tables["batch_file"][first + count],
+                                 tables["batch_offset"][first + count])
+        return dataset_graph.replay(self._graph, self._output, self._root,
+                                    reader.take(records), self.element_spec)
 
     @staticmethod
     def _tfrecords(tables, file, offset):
@@ -286,8 +312,9 @@ class FileSource(Batched):
         return segments.flat_map(lines)
 
     def describe(self):
-        """What identifies the data: the files (names, sizes, modification times), the
-        records skipped per file and the batch size."""
+        """What identifies the data: the files (names, sizes, modification times: a
+        fingerprint, and the list), the records skipped per file, the batch size, the
+        shuffle and its seed."""
         crc = zlib.crc32(f"{self.record_kind}/{self.skip}".encode())
         for index in self._indexes:
             crc = zlib.crc32(f"{index.path}\x1f{index.size}\x1f{index.mtime_ns}\x1e".encode(),
@@ -296,7 +323,14 @@ class FileSource(Batched):
         return {"kind": self.kind, "batches": self.num_batches, "examples": self.num_examples,
                 "batch_size": self.batch_size, "shuffle": self.shuffle, "seed": self.seed,
                 "files": f"{len(self._indexes)} {self.record_kind} files, {total} bytes",
-                "fingerprint": f"{crc:08x}"}
+                "fingerprint": f"{crc:08x}",
+                "file_list": [[i.path, i.size, i.mtime_ns] for i in self._indexes]}
+
+
+def _normalized(path):
+    """`path` with `.` and `..` removed (a URL's scheme kept): the name a backup records."""
+    scheme, sep, rest = path.rpartition("://")
+    return f"{scheme}{sep}{posixpath.normpath(rest)}" if rest else path
 
 
 def _split_lines(chunk):

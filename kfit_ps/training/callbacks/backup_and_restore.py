@@ -151,6 +151,7 @@ class BackupAndRestore(SyncCallback):
             raise ValueError(
                 f"BackupAndRestore: the backup {path} was written while training on other "
                 f"data: {_data_kind(saved)}; this fit trains {_data_kind(self.ledger_state)}. "
+                f"{_changed_file(saved, self.ledger_state)}"
                 "Resuming at its position would train other examples than the ones it "
                 "skips. Train on the same data (and the same `steps_per_epoch`), or remove "
                 f"{self.backup_dir!r} to start over.")
@@ -306,6 +307,21 @@ def _same_data(saved, now):
     if saved is None or now is None:
         return saved == now
     return all(now.get(key) == value for key, value in saved.items())
+
+
+def _changed_file(saved, now):
+    """For one-pass epochs over files: the first file that differs, as a sentence, or ""."""
+    if not (saved and now and "file_list" in saved and "file_list" in now):
+        return ""
+    for before, after in zip(saved["file_list"], now["file_list"]):
+        if list(before) != list(after):
+            return (f"The first file that differs: {before[0]} (size {before[1]}, modified "
+                    f"{before[2]} ns) in the backup, {after[0]} (size {after[1]}, modified "
+                    f"{after[2]} ns) now. ")
+    if len(saved["file_list"]) != len(now["file_list"]):
+        return (f"The backup's data is {len(saved['file_list'])} files, this fit's "
+                f"{len(now['file_list'])}. ")
+    return ""
 
 
 def _data_kind(ledger_state):
