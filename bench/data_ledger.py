@@ -21,7 +21,12 @@ excluded):
   shared job; one epoch per fit, after a warm-up fit. Its source is
   `range(batches).map(gather batch b)`, so the service hands out one split
   per batch (from `from_tensor_slices` it would hand out one per example:
-  26 s per epoch here instead of 1 s).
+  26 s per epoch here instead of 1 s);
+- `files_ledger`, `files_stream`: the same examples as `tf.train.Example`s in 8
+  TFRecord files (written once per run), read by `TFRecordDataset(files)
+  .batch(b).map(parse_example)`: one-pass epochs (each batch read from its
+  byte offset, `kfit_ps/ledger/files.py`) against the same pipeline repeated,
+  with `steps_per_epoch`.
 
 Failures (`--kills` SIGKILLs of training workers at seeded random points of
 one epoch, each restarted 0.3 s later), `ledger` and `data_service`: examples
@@ -36,8 +41,10 @@ of the chief, per GB, just after writing them (in the page cache).
 """
 
 import argparse
+import atexit
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -50,7 +57,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-THROUGHPUT = ("ledger", "stream", "data_service")
+THROUGHPUT = ("ledger", "stream", "data_service", "files_ledger", "files_stream")
 FAILURES = ("ledger_kills", "data_service_kills")
 INDEX = "index"
 _RECORD_BYTES = 200  # A Criteo example as a tf.train.Example, about.
@@ -87,6 +94,43 @@ def _model(num_examples, features):
     model.counts = counts
     model.compile(optimizer="adam", loss="mse", steps_per_execution=SPE)
     return model
+
+
+def _tfrecord_files(args, arrays):
+    """`arrays` as `tf.train.Example`s in 8 TFRecord files of `args.data_dir` (written by the
+    first child that needs them), and a pipeline that reads them as a user writes one."""
+    import tensorflow as tf
+
+    paths = [os.path.join(args.data_dir, f"part-{i}.tfrecord") for i in range(8)]
+    if not os.path.exists(paths[-1] + ".done"):
+        (x, index), y = arrays
+        example = tf.train.Example()  # One message, refilled per record.
+        feature = example.features.feature
+        xs, ids, ys = (feature["x"].float_list.value, feature["index"].int64_list.value,
+                       feature["y"].float_list.value)
+        xs.extend([0.0] * args.features)
+        ids.append(0)
+        ys.append(0.0)
+        for number, rows in enumerate(_split_rows(args.examples, len(paths))):
+            with tf.io.TFRecordWriter(paths[number]) as writer:
+                for i in rows:
+                    xs[:], ids[0], ys[0] = x[i].tolist(), i, float(y[i, 0])
+                    writer.write(example.SerializeToString())
+        open(paths[-1] + ".done", "w").close()
+    spec = {"x": tf.io.FixedLenFeature([args.features], tf.float32),
+            "index": tf.io.FixedLenFeature([], tf.int64),
+            "y": tf.io.FixedLenFeature([1], tf.float32)}
+
+    def parse(records):
+        parsed = tf.io.parse_example(records, spec)
+        return (parsed["x"], parsed["index"]), parsed["y"]
+
+    return tf.data.TFRecordDataset(paths).batch(args.batch_size).map(parse).prefetch(2)
+
+
+def _split_rows(count, parts):
+    bounds = [count * i // parts for i in range(parts + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def _arrays(args):
@@ -244,6 +288,14 @@ def run_child(args):
             model.fit(dataset.repeat(), epochs=args.epochs, steps_per_epoch=batches, verbose=0,
                       callbacks=[times])
             seconds = times.seconds[1:]
+        elif name == "files_ledger":
+            model.fit(_tfrecord_files(args, arrays), epochs=args.epochs, verbose=0,
+                      callbacks=[times])
+            seconds = times.seconds[1:]
+        elif name == "files_stream":
+            model.fit(_tfrecord_files(args, arrays).repeat(), epochs=args.epochs,
+                      steps_per_epoch=batches, verbose=0, callbacks=[times])
+            seconds = times.seconds[1:]
         elif name == "data_service":
             seconds = []
             for epoch in range(args.epochs):  # one job per epoch; the first traces
@@ -296,9 +348,13 @@ def main(argv=None):
     parser.add_argument("--json", default=None)
     parser.add_argument("--child", choices=THROUGHPUT + FAILURES + (INDEX,), default=None,
                         help=argparse.SUPPRESS)
+    parser.add_argument("--data-dir", default=None, help=argparse.SUPPRESS)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     child_process.run_if_child(args, run_child)
+    data_dir = tempfile.mkdtemp(prefix="kfit_ps_ledger_files_")  # The TFRecord contenders'.
+    atexit.register(shutil.rmtree, data_dir, ignore_errors=True)
+    argv = [*argv, "--data-dir", data_dir]
 
     script = os.path.abspath(__file__)
     results = {name: [] for name in THROUGHPUT + FAILURES}
@@ -323,18 +379,24 @@ def main(argv=None):
               flush=True)
     ratios = [a["examples_per_s"] / b["examples_per_s"]
               for a, b in zip(results["ledger"], results["stream"])]
+    file_ratios = [a["examples_per_s"] / b["examples_per_s"]
+                   for a, b in zip(results["files_ledger"], results["files_stream"])]
     summary = {
         "config": {k: v for k, v in vars(args).items() if k != "child"},
         "examples_per_s": {n: statistics.median(r["examples_per_s"] for r in runs)
                            for n, runs in results.items() if runs},
         "ratio_ledger_over_stream": {"median": statistics.median(ratios),
                                      "per_repeat": ratios} if ratios else None,
+        "ratio_files_ledger_over_stream": {"median": statistics.median(file_ratios),
+                                           "per_repeat": file_ratios} if file_ratios else None,
         "runs": results,
         "index": index,
     }
-    if ratios:
-        print(f"ledger / stream: median {statistics.median(ratios):.2f} "
-              f"(per repeat {', '.join(f'{r:.2f}' for r in ratios)})")
+    for label, values in (("ledger / stream", ratios), ("TFRecord files: ledger / stream",
+                                                          file_ratios)):
+        if values:
+            print(f"{label}: median {statistics.median(values):.2f} "
+                  f"(per repeat {', '.join(f'{r:.2f}' for r in values)})")
     child_process.write_json(args.json, summary)
     return summary
 

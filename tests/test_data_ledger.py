@@ -359,13 +359,6 @@ def test_text_batches_hold_exactly_the_lines_textlinedataset_reads(tmp_path):
         one_by_one = [read(tf.constant(b, tf.int64)).numpy() for b in range(source.num_batches)]
         assert np.concatenate(one_by_one).tolist() == expected, batch_size
 
-        @tf.function
-        def together():  # One reader for every batch.
-            get = source.batches_from(data, zero, source.num_batches, zero)
-            return [get(j) for j in range(source.num_batches)]
-
-        assert np.concatenate([b.numpy() for b in together()]).tolist() == expected
-
 
 def test_a_truncated_tfrecord_file_is_refused_naming_it(tmp_path):
     paths = helpers.indexed_files(str(tmp_path), "tfrecord", sizes=(3, 2))

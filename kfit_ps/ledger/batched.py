@@ -1,5 +1,4 @@
-"""What the ledger's sources of batches share: how many examples a run of batches holds, and
-how a run of batches is read."""
+"""What the ledger's sources of batches share: how many examples a run of batches holds."""
 
 
 class Batched:
@@ -18,7 +17,3 @@ class Batched:
         full = stop - first - (1 if stop == self.num_batches else 0)
         return full * self.batch_size + (self.last_size if stop == self.num_batches else 0)
 
-    def batches_from(self, data, first, count, epoch):
-        """`get(j)`: batch `first + j` (`j` < `count`, asked in order) inside a traced
-        function; a source that reads a run of batches faster than one by one overrides it."""
-        return lambda j: self.read(data, first + j, epoch)

@@ -83,7 +83,7 @@ def _fingerprint(structure, rows=None):
     return f"{crc:08x}"
 
 
-class ArraySource(Batched):
+class ArraySource:
     """Arrays read by example position: batch `b` gathers its `batch_size` rows."""
 
     kind = "arrays"

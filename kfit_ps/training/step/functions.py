@@ -114,9 +114,8 @@ class ScheduledFunctions:
             def run(data, first, epoch):
                 marked = ledger.attempts.mark(first)
                 state = metric_state.zeros()
-                batch_at = source.batches_from(data, first, k, epoch)
                 for j in _step_indices(k):
-                    batch = batch_at(j)
+                    batch = source.read(data, first + j, epoch)
                     with tf.control_dependencies([marked]):
                         batch = tf.nest.map_structure(tf.identity, batch)
                     state = metric_state.run_replica(strategy, train_step, batch, state)
