@@ -412,7 +412,7 @@ def test_the_file_index_is_kept_beside_the_launchers_backup_and_read_back(tmp_pa
     monkeypatch.setenv(constants.BACKUP_DIR_ENV, str(tmp_path / "backup"))
     first = kfit_ps.ledger.dataset_source(helpers.indexed_file_dataset(paths, 64), "x")
     cached = sorted(os.listdir(tmp_path / "backup" / "file-index"))
-    assert len(cached) == 3 and all(name.endswith(".npy") for name in cached), cached
+    assert len(cached) == 3 and all(name.endswith(".npz") for name in cached), cached
     monkeypatch.setattr(file_index, "_cache", {})  # As in a restarted chief...
 
     def unread(path, size):
@@ -425,6 +425,13 @@ def test_the_file_index_is_kept_beside_the_launchers_backup_and_read_back(tmp_pa
     stat = os.stat(paths[0])
     os.utime(paths[0], ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     with pytest.raises(AssertionError, match="part-00000.csv was read again"):
+        kfit_ps.ledger.dataset_source(helpers.indexed_file_dataset(paths, 64), "x")
+    # An emptied cache file (a crash before its data reached the disk) is indexed again.
+    os.utime(paths[0], ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    monkeypatch.setattr(file_index, "_cache", {})
+    for name in cached:
+        open(tmp_path / "backup" / "file-index" / name, "wb").close()
+    with pytest.raises(AssertionError, match="was read again"):
         kfit_ps.ledger.dataset_source(helpers.indexed_file_dataset(paths, 64), "x")
 
 

@@ -12,19 +12,20 @@ than a block is skipped by seeking, so large records cost their headers only.
 process, keyed by the path, size and modification time: a file that changed
 is indexed again. Given a cache folder (beside `kfit-ps run --backup-dir`'s
 backups), it also keeps each index there, so a restarted chief reads it
-instead of the files: a `.npy` file named by the key's CRC32, written under
-a temporary name and renamed when complete.
+instead of the files: a `.npz` file named by a hash of the key, holding the
+key and the format's version, written under a temporary name and renamed
+when complete.
 """
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import io
 import os
 import struct
 import threading
 import time
 import uuid
-import zlib
 
 import numpy as np
 import tensorflow as tf
@@ -116,43 +117,62 @@ def _line_offsets(path, size):
             position += len(block)
     starts = np.concatenate(parts)
     starts = starts[starts < size]
-    if len(starts):  # A last line without a newline is no record when it is only "\r"s
-        with tf.io.gfile.GFile(path, "rb") as f:  # (TextLineDataset removes every "\r").
-            f.seek(int(starts[-1]))
-            last = f.read()
-        if not last.endswith(b"\n") and not last.replace(b"\r", b""):
-            starts = starts[:-1]
+    if len(starts) and _only_carriage_returns(path, int(starts[-1])):
+        starts = starts[:-1]  # TextLineDataset removes every "\r": that line is no record.
     return starts
 
 
+def _only_carriage_returns(path, start):
+    """Whether the bytes of `path` from `start` to its end are all "\r" (a last line
+    without a newline that TextLineDataset skips)."""
+    with tf.io.gfile.GFile(path, "rb") as f:
+        f.seek(start)
+        while True:
+            chunk = f.read(4096)
+            if not chunk:
+                return True
+            if chunk.strip(b"\r"):
+                return False
+
+
+_CACHE_VERSION = 2  # Bumped whenever indexing rules change: older files are not read.
+
+
 def _cache_path(cache_dir, key):
-    return os.path.join(cache_dir, f"{zlib.crc32(repr(key).encode()):08x}.npy")
+    digest = hashlib.sha256(repr(key).encode()).hexdigest()[:32]
+    return os.path.join(cache_dir, f"{digest}.npz")
 
 
 def _load(cache_dir, key):
-    """The offsets stored for `key` in `cache_dir`, or None. The key is stored with them (a
-    CRC32 may collide)."""
-    path = _cache_path(cache_dir, key)
+    """The offsets stored for `key` in `cache_dir`, or None: the file stores the format's
+    version and the whole key with them. Any failure to read is None (the cache only saves
+    time: an unreadable file is indexed again)."""
     try:
-        with tf.io.gfile.GFile(path, "rb") as f:
+        with tf.io.gfile.GFile(_cache_path(cache_dir, key), "rb") as f:
             stored = np.load(io.BytesIO(f.read()), allow_pickle=False)
-    except (tf.errors.NotFoundError, ValueError, OSError):
+            same = (int(stored["version"]) == _CACHE_VERSION
+                    and str(stored["key"]) == repr(key))
+            return stored["offsets"] if same else None
+    except Exception:  # noqa: BLE001 - missing, partial, empty, foreign: not a cached index
         return None
-    header, offsets = stored[:4], stored[4:]
-    same = header.tolist() == [zlib.crc32(repr(key).encode()), key[2], key[3], len(offsets)]
-    return offsets if same else None
 
 
 def _store(cache_dir, key, offsets):
     """Writes `offsets` for `key` under a temporary name, then renames it: a reader finds a
-    complete index or none."""
-    tf.io.gfile.makedirs(cache_dir)
-    header = np.asarray([zlib.crc32(repr(key).encode()), key[2], key[3], len(offsets)],
-                        np.int64)
+    complete index or none. A failure (a full disk, no permission) is not the fit's: the
+    index is then only in this process."""
     buffer = io.BytesIO()
-    np.save(buffer, np.concatenate([header, offsets]), allow_pickle=False)
+    np.savez(buffer, version=np.asarray(_CACHE_VERSION), key=np.asarray(repr(key)),
+             offsets=offsets)
     path = _cache_path(cache_dir, key)
     partial = f"{path}.{uuid.uuid4().hex}.partial"
-    with tf.io.gfile.GFile(partial, "wb") as f:
-        f.write(buffer.getvalue())
-    tf.io.gfile.rename(partial, path, overwrite=True)
+    try:
+        tf.io.gfile.makedirs(cache_dir)
+        with tf.io.gfile.GFile(partial, "wb") as f:
+            f.write(buffer.getvalue())
+        tf.io.gfile.rename(partial, path, overwrite=True)
+    except (tf.errors.OpError, OSError):
+        try:
+            tf.io.gfile.remove(partial)
+        except (tf.errors.OpError, OSError):
+            pass

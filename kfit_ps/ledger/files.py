@@ -51,6 +51,7 @@ _STEPS = _BATCHES | {
 _SHUFFLES = ("ShuffleDataset", "ShuffleDatasetV2", "ShuffleDatasetV3")
 _REPORTED_BYTES = 64 << 20  # Indexing inputs this large is said, with its cost.
 _READ_BUFFER = 256 << 10
+_LISTED_FILES = 1000  # A backup lists up to this many files (beyond: the fingerprint only).
 
 
 class NotFiles(ValueError):
@@ -307,8 +308,8 @@ class FileSource(Batched):
 
     def describe(self):
         """What identifies the data: the files (names, sizes, modification times: a
-        fingerprint, and the list), the records skipped per file, the batch size, the
-        shuffle and its seed."""
+        fingerprint, and up to `_LISTED_FILES` of them listed), the records skipped per file,
+        the batch size, the shuffle and its seed."""
         crc = zlib.crc32(f"{self.record_kind}/{self.skip}".encode())
         for index in self._indexes:
             crc = zlib.crc32(f"{index.path}\x1f{index.size}\x1f{index.mtime_ns}\x1e".encode(),
@@ -318,7 +319,8 @@ class FileSource(Batched):
                 "batch_size": self.batch_size, "shuffle": self.shuffle, "seed": self.seed,
                 "files": f"{len(self._indexes)} {self.record_kind} files, {total} bytes",
                 "fingerprint": f"{crc:08x}",
-                "file_list": [[i.path, i.size, i.mtime_ns] for i in self._indexes]}
+                **({"file_list": [[i.path, i.size, i.mtime_ns] for i in self._indexes]}
+                   if len(self._indexes) <= _LISTED_FILES else {})}
 
 
 def _normalized(path):

@@ -303,9 +303,12 @@ def _check_fit_id(fit_id):
 
 def _same_data(saved, now):
     """Whether a backup's data (`saved`, `Ledger.state()`) is this fit's: every entry the
-    backup recorded agrees (older backups recorded fewer)."""
+    backup recorded agrees (older backups recorded fewer; files recorded without `shuffle`
+    were read in their order)."""
     if saved is None or now is None:
         return saved == now
+    if saved.get("kind") == "files":
+        saved = {"shuffle": False, **saved}
     return all(now.get(key) == value for key, value in saved.items())
 
 
