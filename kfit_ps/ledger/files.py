@@ -16,13 +16,15 @@ batch index like the ledger's other sources:
   modification time (kept beside `kfit-ps run --backup-dir`'s backups: a
   restarted chief does not read the files again);
 - on the worker, batch `b`'s reader starts at its first record's byte offset
-  (`TFRecordDatasetV2`'s `byte_offsets`; a byte range of a text file read as
-  one fixed-length record and split into lines), and the pipeline's own steps
-  after its reader (`_tf_compat.dataset_graph.replay`) make the batch.
+  (`TFRecordDatasetV2`'s `byte_offsets`, a seek; a byte range of a text file
+  read as one fixed-length record, which TensorFlow reads through up to the
+  range, and split into lines), and the pipeline's own steps after its
+  reader (`_tf_compat.dataset_graph.replay`) make the batch.
 
 Refused, with the reason (`NotFiles`): compressed files (they cannot be
-entered mid-file), steps between the reader and the batch that change the
-number of records (`filter`, `take`, `skip`, `unbatch`, `shuffle`...).
+entered mid-file), steps after the reader other than `map`, one batch and
+`prefetch` (`filter`, `take`, `skip`, `cache`, `unbatch`...), a shuffle of
+records or batches, a batched file list.
 """
 
 import os
