@@ -156,9 +156,12 @@ def test_a_dataset_workers_cannot_address_is_shipped_one_pass_per_epoch(model, c
 
 # 200,000 indexed examples, batch 256, 5 steps per function, 2 workers; a first epoch without
 # failures, then one with 5 SIGKILLs of workers at seeded random points, each killed worker
-# restarted. The kills wait for training progress, so all 5 land inside the epoch.
+# restarted. The kills wait for training progress, so all 5 land inside the epoch. Then, on
+# the same cluster, the same over 8 TFRecord files and over 8 CSV files
+# (`helpers.indexed_files`: 10,000 records, uneven, one file empty), batch 32: one epoch each,
+# with 5 seeded worker SIGKILLs.
 KILLED_EPOCH = """
-import random
+import random, tempfile
 from tests import chaos, helpers as h
 
 N, BATCH = 200_000, 256
@@ -173,8 +176,14 @@ with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
     clean = model.fit(dataset, epochs=1, verbose=0).history
     clean_counts = model.counts.numpy()
     killed = chaos.killed_one_pass_epoch(cluster, model, dataset, rng, 40, -(-N // BATCH) - 200)
+    files = {}
+    for kind in ("tfrecord", "csv"):  # Records 0..9,999: the first 10,000 counts.
+        records = h.indexed_file_dataset(h.indexed_files(tempfile.mkdtemp(), kind), 32)
+        run = chaos.killed_one_pass_epoch(cluster, model, records, rng, 20, -(-10_000 // 32) - 60)
+        assert not any(run["counts"][10_000:])
+        files[kind] = dict(run, counts=run["counts"][:10_000])
     report(clean=clean, clean_counts=np.bincount(clean_counts).tolist(), pids=cluster.pids(),
-           **killed)
+           files=files, **killed)
 os._exit(0)
 """
 
@@ -182,12 +191,17 @@ os._exit(0)
 @pytest.mark.chaos
 @pytest.mark.slow
 def test_five_worker_kills_lose_no_example_and_the_ledger_names_the_retrained():
+    """Arrays, then TFRecord and CSV files on the same cluster (merged into this test:
+    test_five_worker_kills_over_files_lose_no_record_and_the_ledger_names_the_retrained)."""
     result = helpers.run_chief(KILLED_EPOCH, timeout=600)
     n, batch = 200_000, 256
     # Without failures: every example exactly once.
     assert result["clean_counts"] == [0, n]
     assert result["clean"]["ledger_splits_rerun"] == [0.0]
     _check_killed_epoch(result, n, batch)
+    assert sorted(result["files"]) == ["csv", "tfrecord"]
+    for run in result["files"].values():
+        _check_killed_epoch(run, 10_000, 32)
     assert helpers.wait_for_no_servers(result["pids"], timeout=10) == []
 
 
@@ -213,40 +227,6 @@ def _check_killed_epoch(run, n, batch, spe=5, kills=5):
     assert run["killed"]["ledger_examples_rerun"] == [float(reported)]
     assert run["killed"]["ledger_splits_rerun"] == [float(len(run["reruns"]))]
     assert run["once"] + len(run["reruns"]) == run["splits"]
-
-
-# The same over 8 TFRecord files, then 8 CSV files (`helpers.indexed_files`: 10,000 records,
-# uneven, one file empty), batch 32, 5 steps per function: in each, one epoch with 5 seeded
-# worker SIGKILLs, each killed worker restarted.
-KILLED_FILE_EPOCHS = """
-import random, tempfile
-from tests import chaos, helpers as h
-
-N, BATCH = 10_000, 32
-rng = random.Random(2027)
-results = {}
-with kfit_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
-    strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
-    with strategy.scope():
-        model = h.counting_model(N, saved=False)
-        model.compile(optimizer="adam", loss="mse", steps_per_execution=5)
-    for kind in ("tfrecord", "csv"):
-        dataset = h.indexed_file_dataset(h.indexed_files(tempfile.mkdtemp(), kind), BATCH)
-        results[kind] = chaos.killed_one_pass_epoch(cluster, model, dataset, rng, 20,
-                                                    -(-N // BATCH) - 60)
-    report(results=results, pids=cluster.pids())
-os._exit(0)
-"""
-
-
-@pytest.mark.chaos
-@pytest.mark.slow
-def test_five_worker_kills_over_files_lose_no_record_and_the_ledger_names_the_retrained():
-    result = helpers.run_chief(KILLED_FILE_EPOCHS, timeout=600)
-    assert sorted(result["results"]) == ["csv", "tfrecord"]
-    for run in result["results"].values():
-        _check_killed_epoch(run, 10_000, 32)
-    assert helpers.wait_for_no_servers(result["pids"], timeout=10) == []
 
 
 def test_array_epochs_are_different_permutations_of_every_example():
