@@ -96,49 +96,32 @@ def _model(num_examples, features):
     return model
 
 
-def _tfrecord_files(args, arrays):
-    """`arrays` as `tf.train.Example`s in 8 TFRecord files of `args.data_dir` (written by the
-    first child that needs them), and a pipeline that reads them as a user writes one."""
-    import tensorflow as tf
+def _tfrecord_files(args):
+    """The examples of `_arrays(args)` as `tf.train.Example`s in 8 TFRecord files of
+    `args.data_dir` (written by the first child that needs them), and a pipeline that reads
+    them as a user writes one (the tests' `indexed_files` and `indexed_file_dataset`, which
+    make the same examples)."""
+    sys.path.insert(0, ROOT)
+    from tests import helpers
 
-    paths = [os.path.join(args.data_dir, f"part-{i}.tfrecord") for i in range(8)]
-    if not os.path.exists(paths[-1] + ".done"):
-        (x, index), y = arrays
-        example = tf.train.Example()  # One message, refilled per record.
-        feature = example.features.feature
-        xs, ids, ys = (feature["x"].float_list.value, feature["index"].int64_list.value,
-                       feature["y"].float_list.value)
-        xs.extend([0.0] * args.features)
-        ids.append(0)
-        ys.append(0.0)
-        for number, rows in enumerate(_split_rows(args.examples, len(paths))):
-            with tf.io.TFRecordWriter(paths[number]) as writer:
-                for i in rows:
-                    xs[:], ids[0], ys[0] = x[i].tolist(), i, float(y[i, 0])
-                    writer.write(example.SerializeToString())
-        open(paths[-1] + ".done", "w").close()
-    spec = {"x": tf.io.FixedLenFeature([args.features], tf.float32),
-            "index": tf.io.FixedLenFeature([], tf.int64),
-            "y": tf.io.FixedLenFeature([1], tf.float32)}
-
-    def parse(records):
-        parsed = tf.io.parse_example(records, spec)
-        return (parsed["x"], parsed["index"]), parsed["y"]
-
-    return tf.data.TFRecordDataset(paths).batch(args.batch_size).map(parse).prefetch(2)
-
-
-def _split_rows(count, parts):
-    bounds = [count * i // parts for i in range(parts + 1)]
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+    bounds = [args.examples * i // 8 for i in range(9)]
+    done = os.path.join(args.data_dir, "written")
+    if os.path.exists(done):
+        paths = sorted(os.path.join(args.data_dir, f) for f in os.listdir(args.data_dir)
+                       if f.endswith(".tfrecord"))
+    else:
+        paths = helpers.indexed_files(args.data_dir, "tfrecord", features=args.features,
+                                      sizes=[b - a for a, b in zip(bounds, bounds[1:])])
+        open(done, "w").close()
+    return helpers.indexed_file_dataset(paths, args.batch_size, features=args.features)
 
 
 def _arrays(args):
-    import numpy as np
+    """`((x, index), y)`: the tests' `indexed_arrays` (each example carries its index)."""
+    sys.path.insert(0, ROOT)
+    from tests import helpers
 
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(args.examples, args.features)).astype("float32")
-    return (x, np.arange(args.examples, dtype=np.int64)), x.sum(axis=1, keepdims=True)
+    return helpers.indexed_arrays(args.examples, args.features)
 
 
 class _EpochTimes:
@@ -289,11 +272,11 @@ def run_child(args):
                       callbacks=[times])
             seconds = times.seconds[1:]
         elif name == "files_ledger":
-            model.fit(_tfrecord_files(args, arrays), epochs=args.epochs, verbose=0,
+            model.fit(_tfrecord_files(args), epochs=args.epochs, verbose=0,
                       callbacks=[times])
             seconds = times.seconds[1:]
         elif name == "files_stream":
-            model.fit(_tfrecord_files(args, arrays).repeat(), epochs=args.epochs,
+            model.fit(_tfrecord_files(args).repeat(), epochs=args.epochs,
                       steps_per_epoch=batches, verbose=0, callbacks=[times])
             seconds = times.seconds[1:]
         elif name == "data_service":

@@ -32,7 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from kfit_ps import _tf_compat
-from kfit_ps.ledger.batched import Batched
+from kfit_ps.ledger.batched import Batched, epoch_permutation
 from kfit_ps._tf_compat import dataset_graph
 from kfit_ps.ledger import files
 
@@ -115,9 +115,7 @@ class ArraySource:
         stop = tf.minimum(start + self.batch_size, self.num_examples)
         positions = tf.range(start, stop, dtype=tf.int64)
         if self.shuffle:
-            seed = tf.stack([tf.constant(self.seed, tf.int64), tf.cast(epoch, tf.int64)])
-            positions = tf.random.experimental.index_shuffle(
-                positions, seed, tf.constant(self.num_examples - 1, tf.int64))
+            positions = epoch_permutation(positions, self.seed, epoch, self.num_examples)
         return tf.nest.map_structure(lambda a: tf.gather(a, positions), arrays)
 
     def examples_in(self, first, count):
