@@ -248,8 +248,6 @@ def run_child(args):
     import numpy as np
     import tensorflow as tf
 
-    import kfit_ps
-
     name = args.child
     if name == INDEX:
         child_process.report(_index_cost(args))
@@ -257,8 +255,7 @@ def run_child(args):
     arrays = _arrays(args)
     batches = -(-args.examples // args.batch_size)
     service = _DataService() if name.startswith("data_service") else None
-    with kfit_ps.LocalCluster(num_workers=args.workers, num_ps=1) as cluster:
-        strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+    with child_process.local_cluster(args.workers, 1) as (cluster, strategy):
         with strategy.scope():
             model = _model(args.examples, args.features)
         dataset = tf.data.Dataset.from_tensor_slices(arrays).batch(args.batch_size)
@@ -340,22 +337,26 @@ def main(argv=None):
     argv = [*argv, "--data-dir", data_dir]
 
     script = os.path.abspath(__file__)
+
+    def measure(name, argv):
+        return child_process.measure(script, name, argv, run=lambda: run_child(
+            parser.parse_args([*argv, "--child", name])))
+
     results = {name: [] for name in THROUGHPUT + FAILURES}
     for repeat in range(args.repeats):
         order = THROUGHPUT if repeat % 2 == 0 else tuple(reversed(THROUGHPUT))
         for name in order:
-            results[name].append(child_process.measure(script, name, argv))
+            results[name].append(measure(name, argv))
         print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(
             f"{n} {results[n][-1]['examples_per_s']:,.0f} examples/s" for n in THROUGHPUT),
             flush=True)
     for repeat in range(args.failure_repeats):
         for name in FAILURES:
-            results[name].append(child_process.measure(
-                script, name, [*argv, "--seed", str(args.seed + repeat)]))
+            results[name].append(measure(name, [*argv, "--seed", str(args.seed + repeat)]))
             r = results[name][-1]
             print(f"{name}: {r['kills']} kills, lost {r['lost']}, duplicated {r['duplicated']}, "
                   f"{r['examples_per_s']:,.0f} examples/s", flush=True)
-    index = child_process.measure(script, INDEX, argv) if args.index_megabytes else None
+    index = measure(INDEX, argv) if args.index_megabytes else None
     for kind, cost in (index or {}).items():
         print(f"index of {kind} files: {cost['gigabytes']:.2f} GB, {cost['records']:,} records "
               f"in {cost['seconds']:.2f} s on one core ({cost['seconds_per_gb']:.2f} s/GB)",

@@ -31,6 +31,7 @@ and their medians.
 
 import argparse
 import atexit
+import contextlib
 import os
 import shutil
 import statistics
@@ -101,29 +102,34 @@ def _compile(model, module, args):
                   steps_per_execution=args.steps_per_execution)
 
 
-def make_kfit(cluster, paths, args):
+def kfit_strategy_args(args):
+    """The `kfit_ps.ParameterServerStrategy` arguments of the `kfit_ps` contender."""
+    import kfit_ps
+
+    return {"variable_partitioner": kfit_ps.partitioners.MinSizePartitioner(
+        MIN_SHARD_BYTES, max_shards=args.ps)}
+
+
+def make_kfit(strategy, paths, args):
+    """The `kfit_ps` contender's model (under `strategy`, made with `kfit_strategy_args`)."""
     import keras
 
     import kfit_ps
     from kfit_ps.jobs.dlrm import build_dlrm
 
-    partitioner = kfit_ps.partitioners.MinSizePartitioner(MIN_SHARD_BYTES, max_shards=args.ps)
-    strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver,
-                                               variable_partitioner=partitioner)
     with strategy.scope():
         model = build_dlrm(_spec(args), args.dim)
         _compile(model, keras, args)
     return model, kfit_ps.DatasetCreator(dataset_fn_for(paths, args))
 
 
-def make_kfit_dynamic(cluster, paths, args):
+def make_kfit_dynamic(strategy, paths, args):
     import keras
 
     import kfit_ps
     from kfit_ps.jobs.dlrm import build_dlrm
 
     spec = _spec(args)
-    strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
 
     def embeddings(categorical):  # One table for the 26 features, as many rows as theirs.
         return kfit_ps.layers.DynamicEmbedding(args.dim, capacity=sum(spec.buckets), seed=1,
@@ -146,6 +152,7 @@ def _ps_cpu_seconds(cluster, num_ps):
 
 
 def make_tf_keras(cluster, paths, args):
+    """tf_keras' own strategy on `cluster` (a process of its own: one strategy per process)."""
     import tensorflow as tf
     import tf_keras
 
@@ -188,10 +195,17 @@ def run_child(args):
     else:
         import kfit_ps
 
-        make = {"kfit_ps": make_kfit, "kfit_ps_dynamic": make_kfit_dynamic,
-                "tf_keras": make_tf_keras}[args.child]
-        with kfit_ps.LocalCluster(num_workers=args.workers, num_ps=args.ps) as cluster:
-            model, data = make(cluster, paths, args)
+        with contextlib.ExitStack() as stack:
+            if args.child == "tf_keras":
+                cluster = stack.enter_context(
+                    kfit_ps.LocalCluster(num_workers=args.workers, num_ps=args.ps))
+                model, data = make_tf_keras(cluster, paths, args)
+            else:
+                cluster, strategy = stack.enter_context(child_process.local_cluster(
+                    args.workers, args.ps,
+                    **(kfit_strategy_args(args) if args.child == "kfit_ps" else {})))
+                make = make_kfit if args.child == "kfit_ps" else make_kfit_dynamic
+                model, data = make(strategy, paths, args)
             timed_fit(model, data, WARMUP_STEPS)
             ps_cpu = _ps_cpu_seconds(cluster, args.ps)
             seconds = timed_fit(model, data, args.steps)
@@ -249,8 +263,10 @@ def main(argv=None):
     for repeat in range(args.repeats):
         order = contenders if repeat % 2 == 0 else list(reversed(contenders))
         for name in order:
-            result = child_process.measure(os.path.abspath(__file__), name, child_argv,
-                                           timeout=3600)
+            result = child_process.measure(
+                os.path.abspath(__file__), name, child_argv, timeout=3600,
+                run=None if name == "tf_keras" else lambda: run_child(  # its own strategy
+                    parser.parse_args([*child_argv, "--child", name])))
             rates[name].append(result["examples_per_s"])
             iterations[name].append(result["iterations"])
             if "ps_cpu_ms_per_step" in result:

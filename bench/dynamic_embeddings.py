@@ -91,8 +91,7 @@ def _quality_child(args):
             return ds
         return kfit_ps.DatasetCreator(fn)
 
-    with kfit_ps.LocalCluster(num_workers=args.workers, num_ps=args.ps) as cluster:
-        strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+    with child_process.local_cluster(args.workers, args.ps) as (_, strategy):
         with strategy.scope():
             model = build_dlrm(spec, args.dim, embeddings=embeddings)
             model.compile(optimizer=keras.optimizers.Adam(0.005), loss="binary_crossentropy",
@@ -124,7 +123,7 @@ def quality(args, argv):
     for repeat in range(args.repeats):
         order = EMBEDDINGS if repeat % 2 == 0 else EMBEDDINGS[::-1]
         for kind in order:
-            r = child_process.measure(__file__, kind, argv + ["--data-dir", args.data_dir])
+            r = _measure(kind, argv + ["--data-dir", args.data_dir])
             results[kind].append(r)
             print(f"repeat {repeat + 1} {kind:8s} held-out AUC {r['auc']:.4f}  rows "
                   f"{r['rows']:>9,d} ({r['megabytes']:.1f} MB of rows)  "
@@ -166,8 +165,7 @@ def _table_size_child(args):
     import kfit_ps
 
     rows = args.large if args.child == "large" else args.small
-    with kfit_ps.LocalCluster(num_workers=args.workers, num_ps=args.ps) as cluster:
-        strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+    with child_process.local_cluster(args.workers, args.ps) as (_, strategy):
         with strategy.scope():
             ids = keras.Input((args.ids_per_example,), dtype="int64")
             layer = kfit_ps.layers.DynamicEmbedding(args.dim, name="table")
@@ -200,7 +198,7 @@ def table_size(args, argv):
     results = {"small": [], "large": []}
     for repeat in range(args.repeats):
         for size in (("small", "large") if repeat % 2 == 0 else ("large", "small")):
-            r = child_process.measure(__file__, size, argv)
+            r = _measure(size, argv)
             results[size].append(r)
             print(f"repeat {repeat + 1} {r['rows']:>11,d} rows: {r['examples_per_s']:,.0f} "
                   f"examples/s; chief RSS {r['rss_start_mb']:.0f} -> {r['rss_filled_mb']:.0f} "
@@ -221,8 +219,7 @@ def _eviction_child(args):
 
     import kfit_ps
 
-    with kfit_ps.LocalCluster(num_workers=args.workers, num_ps=args.ps) as cluster:
-        strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+    with child_process.local_cluster(args.workers, args.ps) as (_, strategy):
         with strategy.scope():
             ids = keras.Input((1,), dtype="int64")
             layer = kfit_ps.layers.DynamicEmbedding(args.dim, capacity=args.capacity,
@@ -250,7 +247,7 @@ def _eviction_child(args):
 
 
 def eviction(args, argv):
-    r = child_process.measure(__file__, "eviction", argv)
+    r = _measure("eviction", argv)
     print(f"{r['ids']:,d} ids streamed, capacity {args.capacity:,d} ({r['shard_capacity']:,d} "
           f"per ps, slack {r['slack']:,d}): most rows held on one ps {r['peak_rows_per_shard']:,d}"
           f" (bound {r['bound']:,d}); rows held at the end {r['rows']:,d}; evicted "
@@ -262,7 +259,14 @@ PARTS = {"quality": (quality, _quality_child), "table_size": (table_size, _table
          "eviction": (eviction, _eviction_child)}
 
 
-def main(argv=None):
+def _measure(kind, argv):
+    """`child_process.measure` of `kind` (in this process when the tests ask for one)."""
+    child = PARTS[_parser().parse_args(argv).part][1]
+    return child_process.measure(__file__, kind, argv, run=lambda: child(
+        _parser().parse_args([*argv, "--child", kind])))
+
+
+def _parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=sorted(PARTS), required=True)
     parser.add_argument("--workers", type=int, default=2)
@@ -285,8 +289,12 @@ def main(argv=None):
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--data-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     run, child = PARTS[args.part]
     child_process.run_if_child(args, child)
     child_argv = [a for a in argv if a not in (args.json, "--json")]

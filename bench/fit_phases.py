@@ -85,7 +85,9 @@ def main(argv=None):
     paths = sorted(os.path.join(data_dir, f) for f in os.listdir(data_dir))
     fits = []
     with kfit_ps.LocalCluster(num_workers=args.workers, num_ps=args.ps) as cluster:
-        model, data = dlrm_throughput.make_kfit(cluster, paths, args)
+        strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver,
+                                                   **dlrm_throughput.kfit_strategy_args(args))
+        model, data = dlrm_throughput.make_kfit(strategy, paths, args)
         dlrm_throughput.timed_fit(model, data, dlrm_throughput.WARMUP_STEPS)
         for i in range(args.fits):
             fits.append(timed_phases(model, data, args.steps))

@@ -57,7 +57,9 @@ def run_child(args):
     paths = sorted(os.path.join(args.data_dir, f) for f in os.listdir(args.data_dir))
     rates = {"observed": [], "unobserved": []}
     with kfit_ps.LocalCluster(num_workers=args.workers, num_ps=args.ps) as cluster:
-        model, data = dlrm.make_kfit(cluster, paths, args)
+        strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver,
+                                                   **dlrm.kfit_strategy_args(args))
+        model, data = dlrm.make_kfit(strategy, paths, args)
         for warm in (observed, unobserved):
             monitor.use_monitor(warm)
             dlrm.timed_fit(model, data, dlrm.WARMUP_STEPS)

@@ -3,7 +3,9 @@
 Each script runs at a tiny size in its own process. Most of such a run is starting processes
 and TensorFlow, about one core's worth, so the scripts of the selected tests run two at a time
 (`_Scripts`) while the tests, in order, wait for theirs: the module takes about half the time
-of running them in turn.
+of running them in turn. The scripts run with `KFIT_PS_BENCH_ONE_PROCESS=1`
+(`bench/child_process.py`): the measurements that can share one process and one cluster run in
+the script's own process instead of a fresh one each (the others still start theirs).
 """
 
 import concurrent.futures
@@ -98,8 +100,9 @@ class _Scripts:
                 raise RuntimeError(f"bench script {name} not run: the module is closing")
             proc = subprocess.Popen(
                 [sys.executable, *(a.format(out=self.out) for a in argv)], cwd=helpers.ROOT,
-                env=helpers.chief_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                text=True, start_new_session=True)
+                env=dict(helpers.chief_env(), KFIT_PS_BENCH_ONE_PROCESS="1"),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                start_new_session=True)
             self._running.append(proc)
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
