@@ -11,6 +11,7 @@ and `LocalCluster` passes the environment on to its servers.
 | `KERAS_BACKEND` | `tensorflow` | set by `import kfit_ps` when unset; another backend is an ImportError at the first training name a process uses (`kfit_ps._setup`) |
 | `KFIT_PS_STARTUP_TIMEOUT` | `120` | seconds a `LocalCluster` waits for its servers to start serving (then `kfit-ps run` kills and restarts one that does not), and a chief waits for every worker and ps to accept connections before it connects |
 | `KFIT_PS_PARENT_POLL` | `0.5` | seconds between a server's checks that its launcher is alive |
+| `KFIT_PS_SERVER_FORK` | `1` | `0`: `LocalCluster` starts each server as a new Python process instead of forking it from its server template (`kfit_ps.cluster.fork_server`) |
 | `KFIT_PS_WORKER_INTER_OP_THREADS` | `0` | inter-op threads of a worker server; 0 = max(4, workers + 1, cores) |
 | `KFIT_PS_WORKER_TIMEOUT` | `300` | seconds `fit`/`evaluate`/`predict` wait while every worker is unreachable, then raise `WorkersLostError` |
 | `KFIT_PS_LAUNCHED` | unset | set by `kfit-ps run` in the chief: an uncaught `ClusterError` exits with status 75; SIGTERM stops `fit` at a safe point after a last backup (status 143, `kfit_ps.exit_status`) |
@@ -47,6 +48,7 @@ TF_CONFIG = "TF_CONFIG"
 # Environment variable names; the defaults follow.
 STARTUP_TIMEOUT_ENV = "KFIT_PS_STARTUP_TIMEOUT"
 PARENT_POLL_ENV = "KFIT_PS_PARENT_POLL"
+SERVER_FORK_ENV = "KFIT_PS_SERVER_FORK"
 WORKER_THREADS_ENV = "KFIT_PS_WORKER_INTER_OP_THREADS"
 PROGRESS_INTERVAL_ENV = "KFIT_PS_PROGRESS_INTERVAL"
 LOG_LEVEL_ENV = "KFIT_PS_LOG_LEVEL"

@@ -72,11 +72,13 @@ def no_stray_children():
 
 @pytest.fixture
 def children_reaped():
-    """Asserts a test leaves none of the server processes it started behind."""
+    """Asserts a test leaves none of the server processes (or server templates) it started
+    behind."""
     me = psutil.Process()
 
     def servers():
-        return {p.pid for p in me.children(recursive=True) if helpers.is_server(p)}
+        return {p.pid for p in me.children(recursive=True)
+                if helpers.is_server(p, or_template=True)}
 
     before = servers()  # e.g. the session cluster's
     yield

@@ -15,20 +15,27 @@ RESULT_PREFIX = "KFIT_PS_TEST_RESULT "
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def is_server(proc):
+def is_server(proc, or_template=False):
+    """A worker or ps process: started by its path, or forked from a `LocalCluster`'s server
+    template (whose command line it keeps). The template itself is not a server; it is
+    counted too with `or_template` (a template must not outlive its cluster either)."""
+    from kfit_ps.cluster import fork_server
+
     try:
-        return SERVER_MODULE in " ".join(proc.cmdline())
+        return SERVER_MODULE in " ".join(proc.cmdline()) and (
+            or_template or proc.name() != fork_server.TEMPLATE_NAME)
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return False
 
 
 def server_pids(session=None):
-    """The running kfit_ps servers: all, or those started under test session `session` (their
-    environment's `KFIT_PS_TEST_SESSION`, set by conftest and passed on to every child)."""
+    """The running kfit_ps servers and server templates: all, or those started under test
+    session `session` (their environment's `KFIT_PS_TEST_SESSION`, set by conftest and passed
+    on to every child)."""
     pids = []
     for p in psutil.process_iter():
         try:
-            if not is_server(p) or p.status() == psutil.STATUS_ZOMBIE:
+            if not is_server(p, or_template=True) or p.status() == psutil.STATUS_ZOMBIE:
                 continue
             if session is None or p.environ().get("KFIT_PS_TEST_SESSION") == session:
                 pids.append(p.pid)

@@ -97,7 +97,8 @@ def test_local_prints_tf_config_and_stops_cleanly():
     tf_config = json.loads(json.loads(line)["TF_CONFIG"])
     assert tf_config["task"] == {"type": "chief", "index": 0}
     assert len(tf_config["cluster"]["worker"]) == 1
-    children = [p for p in helpers.psutil.Process(proc.pid).children() if helpers.is_server(p)]
+    children = [p for p in helpers.psutil.Process(proc.pid).children(recursive=True)
+                if helpers.is_server(p)]
     assert len(children) == 2
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=30)

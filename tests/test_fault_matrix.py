@@ -120,7 +120,7 @@ class Phases(keras.callbacks.Callback):
 
 work = sys.argv[1]
 first = model.fit(kfit_ps.DatasetCreator(stream), epochs={EPOCHS[0]}, steps_per_epoch={STEPS[0]},
-                  validation_data=(vx, vy), validation_batch_size=8, verbose=0,
+                  validation_data=(vx, vy), validation_batch_size=16, verbose=0,
                   callbacks=[Phases(1), keras.callbacks.CSVLogger(work + "/fit1.csv",
                                                                    append=True),
                              keras.callbacks.EarlyStopping("val_loss", patience=100)])
@@ -129,8 +129,8 @@ second = model.fit(kfit_ps.DatasetCreator(stream), epochs={EPOCHS[1]}, steps_per
                    validation_data=kfit_ps.shardable(val, num_shards=4), verbose=0,
                    callbacks=[Phases(2), keras.callbacks.CSVLogger(work + "/fit2.csv",
                                                                     append=True)])
-loss = model.evaluate(vx, vy, batch_size=8, verbose=0, callbacks=[Phases(3)])
-predictions = model.predict(vx, batch_size=8, verbose=0, callbacks=[Phases(3)])
+loss = model.evaluate(vx, vy, batch_size=16, verbose=0, callbacks=[Phases(3)])
+predictions = model.predict(vx, batch_size=16, verbose=0, callbacks=[Phases(3)])
 print("RESULT " + json.dumps({{
     "iterations": int(model.optimizer.iterations.numpy()),
     "epochs": [first.epoch, second.epoch],
@@ -245,7 +245,7 @@ def check(statuses, faults, runs, work, recovery=None):
         assert rows == [str(e) for e in range(epochs)], (name, rows)
     held.append("CSV rows once")
     assert result["predictions"] == VALIDATION_ROWS and result["loss"] == result["loss"]
-    assert result["eval_batches"] == VALIDATION_ROWS / 8  # every evaluate batch once
+    assert result["eval_batches"] == VALIDATION_ROWS / 16  # every evaluate batch once
     from kfit_ps.observe import events
 
     log = events.read(str(runs[-1].run_dir / "events.jsonl"))

@@ -24,6 +24,70 @@ def accepts(address):
 
 
 @pytest.mark.slow
+def test_servers_are_forked_from_one_template_that_ends_with_the_cluster(
+        children_reaped, monkeypatch):
+    """Each server, restarted ones too, is forked from the cluster's server template: a process
+    of its own in a session of its own, named by its task, whose exit status is reported as
+    `subprocess` reports one; a server whose environment differs from the template's starts as
+    a process of its own; the template ends with the cluster."""
+    from kfit_ps.cluster import fork_server
+
+    with LocalCluster(num_workers=2, num_ps=1) as cluster:
+        processes = {task: psutil.Process(cluster.pid(*task)) for task in cluster.server_tasks()}
+        [template] = {p.ppid() for p in processes.values()}
+        assert psutil.Process(template).name() == fork_server.TEMPLATE_NAME
+        assert psutil.Process(template).ppid() == os.getpid()
+        for (task_type, index), p in processes.items():
+            assert p.name() == f"{task_type}:{index}" and helpers.is_server(p)
+            assert os.getsid(p.pid) == p.pid and accepts(cluster.address(task_type, index))
+        cluster.kill("worker", 1, sig=signal.SIGTERM)
+        assert cluster.exited() == {("worker", 1): -signal.SIGTERM}
+        cluster.restart("worker", 1)
+        assert psutil.Process(cluster.pid("worker", 1)).ppid() == template
+        assert accepts(cluster.address("worker", 1)) and cluster.exited() == {}
+
+        monkeypatch.setenv("KFIT_PS_TEST_OTHER_SETTING", "1")  # not the template's environment
+        cluster.kill("ps", 0)
+        cluster.restart("ps", 0)
+        assert psutil.Process(cluster.pid("ps", 0)).ppid() == os.getpid()
+        assert accepts(cluster.address("ps", 0))
+        assert psutil.Process(cluster.pid("worker", 0)).ppid() == template
+    assert helpers.wait_for_no_servers([template], timeout=10) == []  # gone (or a zombie)
+
+
+@pytest.mark.slow
+def test_a_killed_server_template_takes_its_servers_and_they_restart_from_a_new_one(
+        children_reaped):
+    """The template killed (SIGKILL): its servers exit (reported as killed), their logs stay
+    (the cluster's process still runs and reads them), and a restart forks from a new one."""
+    from kfit_ps.cluster import fork_server
+
+    with LocalCluster(num_workers=1, num_ps=1) as cluster:
+        template = psutil.Process(cluster.pid("worker", 0)).ppid()
+        pids = cluster.pids()
+        os.kill(template, signal.SIGKILL)
+        assert helpers.wait_for_no_servers(pids, timeout=10) == []
+        assert cluster.exited() == {("worker", 0): -signal.SIGKILL, ("ps", 0): -signal.SIGKILL}
+        for task in cluster.server_tasks():
+            assert os.path.exists(cluster._log_path(*task))
+            cluster.restart(*task)
+            assert accepts(cluster.address(*task))
+        [new] = {psutil.Process(p).ppid() for p in cluster.pids()}
+        assert new != template and psutil.Process(new).name() == fork_server.TEMPLATE_NAME
+
+
+@pytest.mark.slow
+def test_servers_start_as_processes_of_their_own_when_forking_is_off(children_reaped,
+                                                                       monkeypatch):
+    monkeypatch.setenv("KFIT_PS_SERVER_FORK", "0")
+    with LocalCluster(num_workers=1, num_ps=1) as cluster:
+        for task in cluster.server_tasks():
+            p = psutil.Process(cluster.pid(*task))
+            assert p.ppid() == os.getpid() and helpers.is_server(p)
+            assert accepts(cluster.address(*task))
+
+
+@pytest.mark.slow
 def test_start_kill_restart_stop(children_reaped):
     with LocalCluster(num_workers=2, num_ps=1) as cluster:
         assert len(cluster.pids()) == 3

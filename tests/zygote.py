@@ -44,6 +44,7 @@ import json, os, select, signal, sys, types
 import numpy as np
 import kfit_ps, keras, tensorflow as tf
 from kfit_ps import tf_logs
+from kfit_ps.cluster.fork_server import ended_children
 
 children = {}  # pid -> request id
 answers = os.fdopen(os.dup(1), "w")
@@ -55,16 +56,9 @@ def answer(**fields):
 
 
 def reap():
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+    for pid, code in ended_children():
         request = children.pop(pid, None)  # (the log filter is a child too)
         if request is not None:
-            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
             answer(id=request, status=code)
 
 

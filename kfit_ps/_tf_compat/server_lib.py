@@ -87,12 +87,23 @@ def _bare_tensorflow(spec):
     sys.modules["tensorflow"] = package
 
 
+_LOADED = []  # the first server_api() result in this process (a template's forks reuse it)
+
+
 def server_api(bare=False):
     """(`Server`, `ClusterSpec`, `ConfigProto`, how TensorFlow was imported: BARE or FULL).
 
     `bare=True` (server processes only) takes the bare import where
-    `bare_import_reason()` allows it.
+    `bare_import_reason()` allows it. A second call returns the first one's classes (a server
+    forked from a template that made the bare import must not try the full one).
     """
+    if _LOADED:
+        return _LOADED[0]
+    _LOADED.append(_server_api(bare))
+    return _LOADED[0]
+
+
+def _server_api(bare):
     spec = importlib.util.find_spec("tensorflow")
     how = FULL
     if bare and bare_import_reason(spec) is None:

@@ -35,7 +35,7 @@ import threading
 import weakref
 
 from kfit_ps import constants, net, validation
-from kfit_ps.cluster import worker_count
+from kfit_ps.cluster import fork_server, worker_count
 from kfit_ps.cluster.logs import READY_LINE, read_tail
 from kfit_ps.cluster.spec import ClusterConfig
 from kfit_ps.cluster.start_errors import PortTaken, ServerNotReady
@@ -100,6 +100,7 @@ class LocalCluster:
         self.adopted = False  # The launcher's servers (see the class doc).
         self._lock = threading.Lock()  # Guards _procs, _logs and _stopped.
         self._stopped = False
+        self._template = None  # fork_server.ForkServer, made by the first server
         self.config = None
 
     @classmethod
@@ -197,6 +198,10 @@ class LocalCluster:
                     [self.config.address(t, i) for t, i in self.server_tasks()])
         finally:  # Also when the disconnect is interrupted (a second Ctrl-C).
             worker_count.terminate(procs, _STOP_GRACE_SECONDS)
+            with self._lock:
+                template, self._template = self._template, None
+            if template:
+                template.close()
         for f in logs:
             f.close()
         if self._log_dir is not None and self._kept_log_dir is None:
@@ -358,19 +363,46 @@ class LocalCluster:
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
         env[constants.TF_LOGS_ENV] = "1"  # A server's log file keeps TensorFlow's own lines.
         env.update(self._env)
-        cmd = [sys.executable, _SERVER_SCRIPT, self.config.to_tf_config(task_type, index),
-               str(os.getpid()), str(self._threads), path]
+        argv = [self.config.to_tf_config(task_type, index), str(os.getpid()),
+                str(self._threads), path]
         with self._lock:  # With stop(): a server is spawned before it, or not at all.
             self._check_not_stopped()
             if key not in self._logs:
                 self._logs[key] = open(path, "ab")
+            if not os.path.exists(path):  # removed by a server that outlived its template
+                self._logs[key].close()
+                self._logs[key] = open(path, "ab")
             self._logs[key].flush()
             self._log_start[key] = os.path.getsize(path)  # this incarnation's log starts here
+            template = self._fork_server(env)
+            if template is not None:  # Forked from the cluster's server template.
+                self._procs[key] = template.spawn(argv, env, path, f"{task_type}:{index}")
+                return
             # A session of its own: a signal to this process' group (Ctrl-C, `timeout`,
             # systemd) leaves the servers to `stop()`, after the chief's final backup.
             self._procs[key] = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=self._logs[key], stderr=subprocess.STDOUT,
-                env=env, start_new_session=True)
+                [sys.executable, _SERVER_SCRIPT, *argv], stdin=subprocess.DEVNULL,
+                stdout=self._logs[key], stderr=subprocess.STDOUT, env=env,
+                start_new_session=True)
+
+    def _fork_server(self, env):
+        """The server template that forks a server with `env`, started by the first server
+        (`fork_server.py`); None where a server is started as a process of its own: forking
+        is off or impossible here, or `env` differs from the template's (TensorFlow read the
+        template's at import)."""
+        if self._template and not self._template.alive():  # Killed: its servers went too.
+            self._template.close()
+            self._template = None
+        if self._template is None and fork_server.enabled():
+            path = os.path.join(self._log_dir, "server-template.log")
+            try:
+                self._template = fork_server.ForkServer(_SERVER_SCRIPT, env, path)
+            except (OSError, RuntimeError) as e:  # Each server then starts on its own.
+                log.warning("kfit_ps: LocalCluster starts its servers one process each: %s", e)
+                self._template = False
+        if not self._template or self._template.env != env:
+            return None
+        return self._template
 
     def _log_path(self, task_type, index):
         return os.path.join(self._log_dir, f"{task_type}-{index}.log")

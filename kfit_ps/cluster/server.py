@@ -16,6 +16,7 @@ import time
 
 from kfit_ps import constants
 from kfit_ps._tf_compat import server_lib
+from kfit_ps.cluster import fork_server
 from kfit_ps.cluster.logs import READY_LINE
 
 SECURITY_WARNING = (
@@ -25,18 +26,20 @@ SECURITY_WARNING = (
 )
 
 
-def _die_with_parent(parent_pid, poll_interval, log_file=None):
+def _die_with_parent(parent_pid, poll_interval, log_file=None, owner_pid=None):
     """Exits this process within `poll_interval` seconds of `parent_pid` dying.
 
     Polling for re-parenting works whatever killed the parent (SIGKILL too)
     and whichever thread started us; the kernel's parent-death signal would
     fire when the *thread* that spawned us exits, which breaks `restart()`
     from a helper thread. An orphaned server also removes its `log_file`, and
-    the launcher's log folder once it is empty, since nobody else will.
+    the launcher's log folder once it is empty, since nobody else will: unless
+    `owner_pid` (a forked server's `LocalCluster` process, whose template
+    `parent_pid` is) still runs, which keeps the log and reads the exit.
     """
 
     def exit_orphaned():
-        if log_file:
+        if log_file and not (owner_pid and fork_server.running(owner_pid)):
             for remove, path in ((os.remove, log_file), (os.rmdir, os.path.dirname(log_file))):
                 try:
                     remove(path)
@@ -71,7 +74,7 @@ def server_config(task_type, num_workers, inter_op_threads=None, config_proto=No
 
 
 def run_server(cluster_config, inter_op_threads=None, parent_pid=None, log_file=None,
-               warn=True, bare_tensorflow=False):
+               warn=True, bare_tensorflow=False, owner_pid=None):
     """Starts the server for `cluster_config`'s task and blocks forever.
 
     Args:
@@ -80,6 +83,7 @@ def run_server(cluster_config, inter_op_threads=None, parent_pid=None, log_file=
             cannot deadlock (see `constants.worker_inter_op_threads`).
         parent_pid: exit when this process dies. Defaults to None (no watch).
         log_file: this server's log, removed if `parent_pid` dies. Defaults to None.
+        owner_pid: a forked server's owner (`fork_server`): its log stays while that runs.
         warn: print the all-interfaces security warning. Defaults to True.
         bare_tensorflow: import only TensorFlow's server classes where that loads
             the same runtime (`_tf_compat.server_lib`); only for a process
@@ -93,7 +97,7 @@ def run_server(cluster_config, inter_op_threads=None, parent_pid=None, log_file=
             "evaluator runs `kfit-ps evaluator`."
         )
     if parent_pid is not None:
-        _die_with_parent(parent_pid, constants.parent_poll_interval(), log_file)
+        _die_with_parent(parent_pid, constants.parent_poll_interval(), log_file, owner_pid)
     # SIGTERM / SIGINT end the process at once. A Python handler would never run: the main
     # thread blocks in `server.join()` (C++), so the launcher would wait for its SIGKILL.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
