@@ -23,6 +23,7 @@ Four measurements, each in fresh chief processes with their own LocalCluster
 """
 
 import argparse
+import contextlib
 import os
 import sys
 import threading
@@ -69,14 +70,11 @@ def build(layers, rows, args):
     return ids, layers.Dense(1, activation="sigmoid")(x)
 
 
-def make_kfit(cluster, rows, args):
+def make_kfit(strategy, rows, args):
     import keras
 
     import kfit_ps
 
-    strategy = kfit_ps.ParameterServerStrategy(
-        cluster.cluster_resolver,
-        variable_partitioner=kfit_ps.partitioners.FixedShardsPartitioner(args.shards))
     with strategy.scope():
         model = keras.Model(*build(keras.layers, rows, args))
         model.compile(keras.optimizers.Adam(1e-3), "binary_crossentropy",
@@ -112,9 +110,16 @@ def child_speed(args, contender, rows):
 
     import kfit_ps
 
-    make = {"kfit_ps": make_kfit, "tf_keras": make_tf_keras}[contender]
-    with kfit_ps.LocalCluster(num_workers=args.workers, num_ps=args.ps) as cluster:
-        model, data = make(cluster, rows, args)
+    with contextlib.ExitStack() as stack:
+        if contender == "tf_keras":  # tf_keras' own strategy: a process of its own
+            cluster = stack.enter_context(
+                kfit_ps.LocalCluster(num_workers=args.workers, num_ps=args.ps))
+            model, data = make_tf_keras(cluster, rows, args)
+        else:
+            _, strategy = stack.enter_context(child_process.local_cluster(
+                args.workers, args.ps,
+                variable_partitioner=kfit_ps.partitioners.FixedShardsPartitioner(args.shards)))
+            model, data = make_kfit(strategy, rows, args)
         model.fit(data, epochs=1, steps_per_epoch=20, verbose=0)  # warm-up
         before, start = loopback_bytes(), time.perf_counter()
         model.fit(data, epochs=1, steps_per_epoch=args.steps, verbose=0)
@@ -201,8 +206,12 @@ def run_child(args):
     child_process.report(result)
 
 
-def measure(child, argv):
-    return child_process.measure(os.path.abspath(__file__), child, argv, timeout=3600)
+def measure(child, argv, args=None):
+    """`child` in a process of its own; with `args` (the script's), in this one when the tests
+    ask for one process (`child_process`)."""
+    here = None if args is None else argparse.Namespace(**{**vars(args), "child": child})
+    return child_process.measure(os.path.abspath(__file__), child, argv, timeout=3600,
+                                 run=None if here is None else lambda: run_child(here))
 
 
 def main(argv=None):
@@ -227,8 +236,8 @@ def main(argv=None):
     passed = [a for i, a in enumerate(given)  # the children get every flag but --json
               if not a.startswith("--json") and (i == 0 or given[i - 1] != "--json")]
 
-    small = measure(f"kfit_ps:{args.small_rows}", passed)
-    large = measure(f"kfit_ps:{args.large_rows}", passed)
+    small = measure(f"kfit_ps:{args.small_rows}", passed, args)
+    large = measure(f"kfit_ps:{args.large_rows}", passed, args)
     print(f"1. table size: {args.small_rows} rows {small['step_ms']:.2f} ms/step, "
           f"{args.large_rows} rows {large['step_ms']:.2f} ms/step; ratio "
           f"{large['step_ms'] / small['step_ms']:.3f} (target <= 1.3)", flush=True)

@@ -78,10 +78,9 @@ def run_child(args):
             data = kfit_ps.DatasetCreator(dataset_fn)
         return model.evaluate(data, verbose=0, return_dict=True)
 
-    with kfit_ps.LocalCluster(num_workers=args.workers, num_ps=2) as cluster:
-        partitioner = kfit_ps.partitioners.MinSizePartitioner(64 << 10, max_shards=2)
-        strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver,
-                                                   variable_partitioner=partitioner)
+    partitioner = kfit_ps.partitioners.MinSizePartitioner(64 << 10, max_shards=2)
+    with child_process.local_cluster(args.workers, 2, variable_partitioner=partitioner) as (
+            _, strategy):
         with strategy.scope():
             keras.utils.set_random_seed(0)
             model = build_dlrm(spec)
@@ -109,8 +108,11 @@ def _measure_all(args, argv, data_dir, warmup_dir):
     for repeat in range(args.repeats):
         order = CONTENDERS if repeat % 2 == 0 else tuple(reversed(CONTENDERS))
         for name in order:
-            results[name].append(child_process.measure(os.path.abspath(__file__), name,
-                                                       child_argv, timeout=3600))
+            here = argparse.Namespace(**{**vars(args), "child": name, "data_dir": data_dir,
+                                         "warmup_dir": warmup_dir})
+            results[name].append(child_process.measure(
+                os.path.abspath(__file__), name, child_argv, timeout=3600,
+                run=lambda: run_child(here)))
         print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(
             f"{n} {results[n][-1]['examples_per_s']:,.0f} examples/s" for n in CONTENDERS),
             flush=True)
