@@ -97,6 +97,21 @@ def local_cluster(num_workers, num_ps, **strategy_args):
     yield cluster, strategy
 
 
+@contextlib.contextmanager
+def contender_cluster(tf_keras, num_workers, num_ps, **strategy_args):
+    """`(cluster, strategy)` for a contender: tf_keras' (`tf_keras` true) gets a `LocalCluster`
+    of its own and makes its own strategy (None here: one strategy per process, so it always
+    runs in a process of its own); kfit_ps' get `local_cluster`'s."""
+    if tf_keras:
+        import kfit_ps
+
+        with kfit_ps.LocalCluster(num_workers=num_workers, num_ps=num_ps) as cluster:
+            yield cluster, None
+    else:
+        with local_cluster(num_workers, num_ps, **strategy_args) as cluster_and_strategy:
+            yield cluster_and_strategy
+
+
 def run_if_child(args, run_child):
     """In a child (`--child` given): runs the measurement and exits at once.
 

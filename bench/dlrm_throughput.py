@@ -31,7 +31,6 @@ and their medians.
 
 import argparse
 import atexit
-import contextlib
 import os
 import shutil
 import statistics
@@ -193,17 +192,12 @@ def run_child(args):
         seconds = timed_fit(model, data, args.steps)
         iterations = int(model.optimizer.iterations.numpy())
     else:
-        import kfit_ps
-
-        with contextlib.ExitStack() as stack:
-            if args.child == "tf_keras":
-                cluster = stack.enter_context(
-                    kfit_ps.LocalCluster(num_workers=args.workers, num_ps=args.ps))
+        strategy_args = kfit_strategy_args(args) if args.child == "kfit_ps" else {}
+        with child_process.contender_cluster(args.child == "tf_keras", args.workers, args.ps,
+                                             **strategy_args) as (cluster, strategy):
+            if strategy is None:
                 model, data = make_tf_keras(cluster, paths, args)
             else:
-                cluster, strategy = stack.enter_context(child_process.local_cluster(
-                    args.workers, args.ps,
-                    **(kfit_strategy_args(args) if args.child == "kfit_ps" else {})))
                 make = make_kfit if args.child == "kfit_ps" else make_kfit_dynamic
                 model, data = make(strategy, paths, args)
             timed_fit(model, data, WARMUP_STEPS)

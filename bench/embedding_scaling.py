@@ -23,7 +23,6 @@ Four measurements, each in fresh chief processes with their own LocalCluster
 """
 
 import argparse
-import contextlib
 import os
 import sys
 import threading
@@ -110,15 +109,12 @@ def child_speed(args, contender, rows):
 
     import kfit_ps
 
-    with contextlib.ExitStack() as stack:
-        if contender == "tf_keras":  # tf_keras' own strategy: a process of its own
-            cluster = stack.enter_context(
-                kfit_ps.LocalCluster(num_workers=args.workers, num_ps=args.ps))
+    partitioner = kfit_ps.partitioners.FixedShardsPartitioner(args.shards)
+    with child_process.contender_cluster(contender == "tf_keras", args.workers, args.ps,
+                                         variable_partitioner=partitioner) as (cluster, strategy):
+        if strategy is None:
             model, data = make_tf_keras(cluster, rows, args)
         else:
-            _, strategy = stack.enter_context(child_process.local_cluster(
-                args.workers, args.ps,
-                variable_partitioner=kfit_ps.partitioners.FixedShardsPartitioner(args.shards)))
             model, data = make_kfit(strategy, rows, args)
         model.fit(data, epochs=1, steps_per_epoch=20, verbose=0)  # warm-up
         before, start = loopback_bytes(), time.perf_counter()
