@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import psutil
 import pytest
@@ -74,6 +75,27 @@ def test_a_killed_server_template_takes_its_servers_and_they_restart_from_a_new_
             assert accepts(cluster.address(*task))
         [new] = {psutil.Process(p).ppid() for p in cluster.pids()}
         assert new != template and psutil.Process(new).name() == fork_server.TEMPLATE_NAME
+
+
+@pytest.mark.slow
+def test_a_process_forked_from_the_owner_does_not_keep_the_template_running(children_reaped):
+    """A child forked from the cluster's process (multiprocessing's default) drops its copy of
+    the template's pipe: `stop()` ends the template at once, and the child sends nothing to the
+    parent's servers."""
+    with LocalCluster(num_workers=1, num_ps=1) as cluster:
+        template = psutil.Process(cluster.pid("worker", 0)).ppid()
+        child = os.fork()
+        if child == 0:  # It lives on past the parent's stop(), then leaves quietly.
+            time.sleep(20)
+            os._exit(0)
+        try:
+            started = time.monotonic()
+            cluster.stop()
+            assert time.monotonic() - started < 5
+            assert helpers.wait_for_no_servers([template], timeout=5) == []
+        finally:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
 
 
 @pytest.mark.slow

@@ -12,8 +12,10 @@ output appended to its log file, its environment the one `LocalCluster` gives it
 `subprocess` reports one (`-N` for signal N).
 
 Protocol (JSON lines): the template says `{"ready": true}` once imported; the owner writes
-`{"id", "argv", "env", "log", "name"}` to its stdin; the template answers `{"id", "pid"}` once it
-forked and `{"pid", "status"}` once that server ended. The template forks only with one thread.
+`{"id", "argv", "log", "name"}` to its stdin; the template answers `{"id", "pid"}` once it
+forked (`{"id", "error"}` if it could not: that server alone starts as a process of its own)
+and `{"pid", "status"}` once that server ended. A forked server's environment is the
+template's, which the owner gave it. The template forks only with one thread.
 
 Lifetimes: the template exits when its stdin closes (`ForkServer.close`, after the servers
 were stopped) or when its owner dies (polled as servers poll theirs); a forked server's parent
@@ -23,6 +25,7 @@ settings TensorFlow reads at import) does `LocalCluster` spawn a server as befor
 """
 
 import json
+import logging
 import os
 import select
 import signal
@@ -33,6 +36,8 @@ import time
 import weakref
 
 from kfit_ps import constants
+
+log = logging.getLogger("kfit_ps.cluster")
 
 TEMPLATE_NAME = "kfit_ps-servers"  # the template's `comm` (15 characters at most)
 _PR_SET_NAME = 15
@@ -99,12 +104,25 @@ def serve(owner_pid, log_path, main):
         buffered += data
         while b"\n" in buffered:
             line, buffered = buffered.split(b"\n", 1)
-            request = json.loads(line)
-            pid = os.fork()
+            try:
+                request = json.loads(line)
+                sys.stderr.flush()  # (nothing of the template's is copied into a server's log)
+                template = os.getpid()
+                pid = os.fork()
+            except (ValueError, OSError) as e:  # One server fails (its owner starts it on its
+                answer(id=_request_id(line), error=f"{type(e).__name__}: {e}")  # own), not all.
+                continue
             if pid == 0:
-                _run_forked(request, main, owner_pid,
+                _run_forked(request, main, template, owner_pid,
                             (answers.fileno(), wake_read, wake_write), devnull)
             answer(id=request["id"], pid=pid)
+
+
+def _request_id(line):
+    try:
+        return json.loads(line)["id"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _exit(log_path):
@@ -135,7 +153,7 @@ def _reap(answer):
         answer(pid=pid, status=status)
 
 
-def _run_forked(request, main, owner_pid, template_fds, devnull):
+def _run_forked(request, main, template, owner_pid, template_fds, devnull):
     """In a forked server: becomes the server `request` names; never returns."""
     code = 1
     try:
@@ -150,11 +168,9 @@ def _run_forked(request, main, owner_pid, template_fds, devnull):
         os.dup2(log, 2)
         os.close(log)
         os.close(devnull)
-        os.environ.clear()
-        os.environ.update(request["env"])
-        _set_name(request["name"])
+        _set_name(request["name"])  # (its environment is the template's: the owner's request)
         argv = list(request["argv"])
-        argv[1] = str(os.getppid())  # The template is this server's parent: watched as such.
+        argv[1] = str(template)  # This server's parent: watched as such.
         main(argv, owner_pid=owner_pid)
         code = 0
     except SystemExit as e:
@@ -182,25 +198,27 @@ class ForkServer:
 
     def __init__(self, script, env, log_path):
         self.env = dict(env)
+        self._owner = os.getpid()
+        self._lock = threading.Condition()
+        self._pids = {}  # request id -> pid, or the error that stopped its fork
+        self._status = {}  # pid -> exit status
+        self._abandoned = set()  # ids of forks whose caller was interrupted: killed on arrival
+        self._next_id = 0
+        self._ready = False
+        self._eof = False  # every answer of the template was read
         self._log = open(log_path, "ab")
         self._proc = subprocess.Popen(
             [sys.executable, script, "--fork-server", str(os.getpid()), log_path],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=self.env,
             start_new_session=True)
-        _OPEN.add(self)
-        self._lock = threading.Condition()
-        self._pids = {}  # request id -> pid
-        self._status = {}  # pid -> exit status
-        self._abandoned = set()  # ids of forks whose caller was interrupted: killed on arrival
-        self._next_id = 0
-        self._ready = False
-        self._reader = threading.Thread(target=self._read, name="kfit_ps-fork-server",
-                                        daemon=True)
-        self._reader.start()
         ready = False
         try:
+            _OPEN.add(self)
+            self._reader = threading.Thread(target=self._read, name="kfit_ps-fork-server",
+                                            daemon=True)
+            self._reader.start()
             with self._lock:
-                ready = self._lock.wait_for(lambda: self._ready or self._gone(),
+                ready = self._lock.wait_for(lambda: self._ready or self._eof,
                                             _READY_SECONDS) and self._ready
         finally:  # Also when interrupted (Ctrl-C, the launcher's stop): no template is left.
             if not ready:
@@ -213,58 +231,74 @@ class ForkServer:
         return self._proc.poll() is not None
 
     def _read(self):
-        for line in self._proc.stdout:
-            message = json.loads(line)
+        try:
+            for line in self._proc.stdout:
+                message = json.loads(line)
+                with self._lock:
+                    if message.get("ready"):
+                        self._ready = True
+                    elif "status" in message:
+                        self._status[message["pid"]] = message["status"]
+                    elif message["id"] in self._abandoned:
+                        self._abandoned.discard(message["id"])
+                        if "pid" in message:
+                            _kill(message["pid"])
+                    elif "pid" in message:  # A new server: a reused pid's old status goes.
+                        self._status.pop(message["pid"], None)
+                        self._pids[message["id"]] = message["pid"]
+                    else:
+                        self._pids[message["id"]] = RuntimeError(message.get("error"))
+                    self._lock.notify_all()
+        except (OSError, ValueError) as e:
+            log.warning("kfit_ps: lost the server template's answers: %s", e)
+        finally:  # Whatever it forked is on its way out, or is reported gone once it is.
             with self._lock:
-                if message.get("ready"):
-                    self._ready = True
-                elif "status" in message:
-                    self._status[message["pid"]] = message["status"]
-                elif message["id"] in self._abandoned:
-                    self._abandoned.discard(message["id"])
-                    _kill(message["pid"])
-                else:  # A new server: an old status of a reused pid is not its status.
-                    self._status.pop(message["pid"], None)
-                    self._pids[message["id"]] = message["pid"]
+                self._eof = True
                 self._lock.notify_all()
-        with self._lock:  # The template ended: whatever it forked is on its way out.
-            self._proc.wait()
-            self._lock.notify_all()
 
     def alive(self):
-        return not self._gone()
+        return not self._eof and not self._gone()
+
+    def _foreign(self):
+        """In a process forked from the owner: the template and its servers are not ours."""
+        return os.getpid() != self._owner
 
     def spawn(self, argv, env, log_path, name):
         """Forks a server running `_server_main.main(argv)`; returns its `ForkedServer`."""
         with self._lock:
             request_id = self._next_id
             self._next_id += 1
-            request = {"id": request_id, "argv": list(argv), "env": dict(env),
-                       "log": log_path, "name": name}
-            forked = False
+            if env != self.env:
+                raise ValueError("a forked server has the template's environment")
+            request = {"id": request_id, "argv": list(argv), "log": log_path, "name": name}
+            answered = False
             try:
                 self._proc.stdin.write((json.dumps(request) + "\n").encode())
                 self._proc.stdin.flush()
-                forked = self._lock.wait_for(lambda: request_id in self._pids or self._gone(),
-                                             _FORK_SECONDS) and request_id in self._pids
+                answered = self._lock.wait_for(lambda: request_id in self._pids or self._eof,
+                                               _FORK_SECONDS) and request_id in self._pids
             except OSError:
                 pass  # The template is gone: raised below.
             finally:
-                if not forked:  # Failed or interrupted: a server forked later is killed.
+                if not answered:  # Failed or interrupted: a server forked later is killed.
                     self._abandoned.add(request_id)
-            if not forked:
-                raise RuntimeError(f"the server template did not fork {name}")
-            return ForkedServer(self, self._pids.pop(request_id))
+            pid = self._pids.pop(request_id, None) if answered else None
+            if not isinstance(pid, int):
+                raise RuntimeError(f"the server template did not fork {name}: "
+                                   f"{pid or 'no answer'}")
+            return ForkedServer(self, pid)
 
     def status(self, pid, timeout=0.0):
         """`pid`'s exit status once the template reported it (within `timeout`), else None.
         A server of a template that ended is reported gone once its process is."""
+        if self._foreign():
+            return 0  # (as `subprocess` says of a process that is not its child)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while True:
                 if pid in self._status:
                     return self._status[pid]
-                if self._gone() and not running(pid):
+                if self._eof and not running(pid):
                     return -signal.SIGKILL  # Its template died before reporting it.
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -274,6 +308,8 @@ class ForkServer:
     def close(self):
         """Ends the template (its servers, if any still run, follow it out)."""
         _OPEN.discard(self)
+        if self._foreign():
+            return
         try:
             self._proc.stdin.close()
         except OSError:
@@ -290,7 +326,7 @@ class ForkServer:
 def _kill(pid):
     try:
         os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
+    except OSError:
         pass
 
 
@@ -350,7 +386,7 @@ class ForkedServer:
         return self.returncode
 
     def send_signal(self, sig):
-        if self.poll() is None:
+        if self.poll() is None and not self._template._foreign():
             try:
                 os.kill(self.pid, sig)
             except ProcessLookupError:

@@ -12,7 +12,9 @@ picked it. The cluster owns its processes:
 - an `atexit` hook stops clusters the program forgot;
 - every server watches its launcher and exits within
   `KFIT_PS_PARENT_POLL` seconds (0.5 by default) when the launcher dies,
-  even by SIGKILL, so no server is ever orphaned.
+  even by SIGKILL, so no server is ever orphaned (a server forked from the
+  cluster's server template, `fork_server.py`, watches the template, which
+  watches the launcher: twice that).
 
 Example:
 
@@ -376,8 +378,11 @@ class LocalCluster:
             self._log_start[key] = os.path.getsize(path)  # this incarnation's log starts here
             template = self._fork_server(env)
             if template is not None:  # Forked from the cluster's server template.
-                self._procs[key] = template.spawn(argv, env, path, f"{task_type}:{index}")
-                return
+                try:
+                    self._procs[key] = template.spawn(argv, env, path, f"{task_type}:{index}")
+                    return
+                except RuntimeError as e:  # This server then starts on its own.
+                    log.warning("kfit_ps: %s; starting it as a process of its own", e)
             # A session of its own: a signal to this process' group (Ctrl-C, `timeout`,
             # systemd) leaves the servers to `stop()`, after the chief's final backup.
             self._procs[key] = subprocess.Popen(
