@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,11 +20,14 @@ def is_server(proc, or_template=False):
     """A worker or ps process: started by its path, or forked from a `LocalCluster`'s server
     template (whose command line it keeps). The template itself is not a server; it is
     counted too with `or_template` (a template must not outlive its cluster either)."""
-    from kfit_ps.cluster import fork_server
-
     try:
-        return SERVER_MODULE in " ".join(proc.cmdline()) and (
-            or_template or proc.name() != fork_server.TEMPLATE_NAME)
+        command = " ".join(proc.cmdline())
+        if SERVER_MODULE not in command:
+            return False
+        # A template keeps the interpreter's name until it renames itself, then its own; a
+        # server forked from it takes its task's ("worker:0") at once.
+        return or_template or "--fork-server" not in command or bool(
+            re.fullmatch(r"(worker|ps):\d+", proc.name()))
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return False
 
