@@ -263,13 +263,13 @@ class ForkServer:
         """In a process forked from the owner: the template and its servers are not ours."""
         return os.getpid() != self._owner
 
-    def spawn(self, argv, env, log_path, name):
-        """Forks a server running `_server_main.main(argv)`; returns its `ForkedServer`."""
+    def spawn(self, argv, log_path, name):
+        """Forks a server running `_server_main.main(argv)` in the template's environment
+        (`LocalCluster._fork_server` asks only for servers with that one); returns its
+        `ForkedServer`."""
         with self._lock:
             request_id = self._next_id
             self._next_id += 1
-            if env != self.env:
-                raise ValueError("a forked server has the template's environment")
             request = {"id": request_id, "argv": list(argv), "log": log_path, "name": name}
             answered = False
             try:

@@ -379,7 +379,7 @@ class LocalCluster:
             template = self._fork_server(env)
             if template is not None:  # Forked from the cluster's server template.
                 try:
-                    self._procs[key] = template.spawn(argv, env, path, f"{task_type}:{index}")
+                    self._procs[key] = template.spawn(argv, path, f"{task_type}:{index}")
                     return
                 except RuntimeError as e:  # This server then starts on its own.
                     log.warning("kfit_ps: %s; starting it as a process of its own", e)
