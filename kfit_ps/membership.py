@@ -12,8 +12,9 @@ Files in one local directory (`RUN_DIR/membership`, named to the chief by
   launcher stops a removed worker only after this marker (or once the chief that
   could still use it is gone), so a worker is never stopped with a step in it.
 
-No TensorFlow here: the launcher, which never loads TensorFlow, uses it. The directory
-is on the local disk of the chief's host, where the launcher runs.
+No TensorFlow here: the launcher uses it, and loads TensorFlow only to delete remote
+(gs://) backups. The directory is on the local disk of the chief's host, where the
+launcher runs.
 """
 
 import json
