@@ -1,4 +1,4 @@
-"""`kfit-ps run` and `kfit-ps manifests`: thin layers over `kfit_ps.launch`.
+"""`kfit-ps run`, `status`, `scale` and `manifests`: thin layers over `kfit_ps.launch`.
 
 Also the network mode of a command (`network`): re-executed in a private
 network namespace when isolation is asked for and possible.
@@ -172,8 +172,15 @@ def _default(name):
     return LAUNCH_DEFAULTS[name]
 
 
-def _shown(name):
-    value = _default(name)
+def _manifest_default(name):
+    """`ManifestConfig`'s default for `name`: the one place manifest defaults are set."""
+    from kfit_ps.launch.manifests import MANIFEST_DEFAULTS
+
+    return MANIFEST_DEFAULTS[name]
+
+
+def _shown(name, default=_default):
+    value = default(name)
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
@@ -196,7 +203,10 @@ _TIMING_FLAGS = (
 
 
 def add_parsers(sub):
-    """Adds the `run` and `manifests` subcommands to `sub` (argparse subparsers)."""
+    """Adds the `run`, `status`, `scale` and `manifests` subcommands to `sub` (argparse
+    subparsers)."""
+    from kfit_ps.launch.manifests import SHUTDOWN_MARGIN
+
     run = sub.add_parser(
         "run", help="run a script as the chief of a job that survives the loss of any task",
         description="Starts the worker and ps servers and the script (after --) as the chief, "
@@ -220,12 +230,13 @@ def add_parsers(sub):
                      default=constants.env_int(constants.STATUS_PORT_ENV, _default("status_port")),
                      help="port of the status page and metrics (/, /status.json, /metrics); "
                           "the chief's metrics take the next port (default "
-                          "$KFIT_PS_STATUS_PORT, else 0: free ports, printed at start)")
+                          f"$KFIT_PS_STATUS_PORT, else {_shown('status_port')}: free ports, "
+                          "printed at start)")
     run.add_argument("--status-address", default=_default("status_address"),
                      help="address the status page listens on (default "
                           f"{_shown('status_address')}: this machine only; 0.0.0.0 lets a "
                           "scraper on another host in)")
-    run.add_argument("--ps-recovery", choices=("in-place", "restart"),
+    run.add_argument("--ps-recovery", choices=constants.PS_RECOVERY_MODES,
                      default=_default("ps_recovery"),
                      help="a lost ps: 'in-place' restarts it and the chief restores its "
                           "variables from the last backup, the rest keeping their state; "
@@ -268,27 +279,33 @@ def add_parsers(sub):
                     "PodDisruptionBudgets and a NetworkPolicy; apply with `kubectl apply -f -`.")
     manifests.add_argument("--name", required=True, help="the job's name (a DNS label)")
     manifests.add_argument("--image", required=True, help="container image")
-    manifests.add_argument("--workers", type=int, default=_default("num_workers"))
-    manifests.add_argument("--ps", type=int, default=_default("num_ps"))
-    manifests.add_argument("--namespace", default="default")
-    manifests.add_argument("--port", type=int, default=2222)
+    manifests.add_argument("--workers", type=int, default=_manifest_default("num_workers"))
+    manifests.add_argument("--ps", type=int, default=_manifest_default("num_ps"))
+    manifests.add_argument("--namespace", default=_manifest_default("namespace"))
+    manifests.add_argument("--port", type=int, default=_manifest_default("port"))
     manifests.add_argument("--claim", default=None,
-                           help="PersistentVolumeClaim mounted at /shared in every pod")
+                           help="PersistentVolumeClaim mounted at "
+                                f"{_manifest_default('mount_path')} in every pod")
     manifests.add_argument("--backup-dir", default=None,
-                           help="the chief's --backup-dir (default /shared/backup with --claim)")
-    manifests.add_argument("--save-freq", default=100, type=_save_freq,
-                           help="the chief's backup frequency (default 100 steps)")
-    manifests.add_argument("--max-restarts", type=int, default=_default("max_restarts"))
-    manifests.add_argument("--grace", type=int, default=int(_default("grace")),
+                           help="the chief's --backup-dir (default "
+                                f"{_manifest_default('mount_path')}/backup with --claim)")
+    manifests.add_argument("--save-freq", default=_manifest_default("save_freq"),
+                           type=_save_freq,
+                           help="the chief's backup frequency (default "
+                                f"{_shown('save_freq', _manifest_default)} steps)")
+    manifests.add_argument("--max-restarts", type=int, default=_manifest_default("max_restarts"))
+    manifests.add_argument("--grace", type=int, default=_manifest_default("grace"),
                            help="seconds the chief gets after SIGTERM to save (default "
-                                f"{_shown('grace')}); its pod's terminationGracePeriodSeconds "
-                                "is this + 10")
+                                f"{_shown('grace', _manifest_default)}); its pod's "
+                                f"terminationGracePeriodSeconds is this + {SHUTDOWN_MARGIN}")
     manifests.add_argument("--evaluator", default=None,
                            help='the evaluator\'s command, e.g. "kfit-ps evaluator '
                                 '--checkpoint-dir /shared/ckpt --model-fn m:f --data-fn m:g"')
-    manifests.add_argument("--status-port", type=int, default=9400,
+    manifests.add_argument("--status-port", type=int, default=_manifest_default("status_port"),
                            help="each launcher's status page and metrics port, scraped by "
-                                "Prometheus (default 9400; the chief's own takes the next)")
+                                "Prometheus (default "
+                                f"{_shown('status_port', _manifest_default)}; the chief's own "
+                                "takes the next)")
     manifests.add_argument("--cpu", default="", help="CPU requests, e.g. worker=2,ps=1,chief=1")
     manifests.add_argument("--memory", default="", help="memory requests, e.g. ps=8Gi")
     manifests.add_argument("chief_command", nargs=argparse.REMAINDER, metavar="-- COMMAND",

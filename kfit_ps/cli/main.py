@@ -4,6 +4,10 @@
     kfit-ps run --workers 2 --ps 1 [--backup-dir D --save-freq N] -- python train.py ARGS
                                     run a script as the chief of a supervised job that
                                     survives the loss of any task
+    kfit-ps status --run-dir D | --url URL
+                                    show a running job: tasks, restarts, speed, events
+    kfit-ps scale --run-dir D --workers N
+                                    add or remove workers of a running job during fit
     kfit-ps manifests --name job --image IMG --workers 4 --ps 2 -- python /app/train.py
                                     print the job's Kubernetes manifests (YAML)
     kfit-ps server                  run this machine's worker/ps server (TF_CONFIG)
@@ -14,8 +18,9 @@
 
 Each flag falls back to an environment variable, then to a default; the
 effective configuration is printed at start. Only `quickstart`, `server` and
-`evaluator` load TensorFlow, inside their handlers; the launcher's commands
-(`run`, `status`, `scale`, `manifests`) and `local` never do.
+`evaluator` load TensorFlow, inside their handlers; `local` never does, and the
+launcher's commands (`run`, `status`, `scale`, `manifests`) only to delete remote
+(gs://) backups once a script succeeded.
 """
 
 import argparse
@@ -110,6 +115,15 @@ def _cmd_local(args, parser):
         except KeyboardInterrupt:
             pass
     return 0
+
+
+def _local_default(name):
+    """`LocalCluster`'s default for `name` (its module loads no TensorFlow)."""
+    import inspect
+
+    from kfit_ps.cluster.local import LocalCluster
+
+    return inspect.signature(LocalCluster).parameters[name].default
 
 
 def _load_callable(parser, flag, spec):
@@ -212,8 +226,10 @@ def build_parser():
     launch_commands.add_parsers(sub)
 
     local = sub.add_parser("local", help="start a local cluster and print its TF_CONFIG")
-    local.add_argument("--workers", type=int, default=constants.env_int(constants.WORKERS_ENV, 2))
-    local.add_argument("--ps", type=int, default=constants.env_int(constants.PS_ENV, 1))
+    local.add_argument("--workers", type=int, default=constants.env_int(
+        constants.WORKERS_ENV, _local_default("num_workers")))
+    local.add_argument("--ps", type=int, default=constants.env_int(
+        constants.PS_ENV, _local_default("num_ps")))
     local.set_defaults(handler=_cmd_local)
 
     evaluator = sub.add_parser("evaluator", help="evaluate each new checkpoint (side-car)")

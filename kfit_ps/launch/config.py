@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from kfit_ps import validation
+from kfit_ps import constants, validation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,9 +103,10 @@ class LaunchConfig:
                 "writes its logs, tasks.json, the event log and membership/ there with plain "
                 f"file I/O. Received: run_dir={self.run_dir!r}. Pass a local path; backups can "
                 "live on remote storage (--backup-dir gs://...).")
-        if self.ps_recovery not in ("in-place", "restart"):
-            raise ValueError("LaunchConfig: `ps_recovery` must be 'in-place' or 'restart' "
-                             f"(--ps-recovery). Received: ps_recovery={self.ps_recovery!r}.")
+        if self.ps_recovery not in constants.PS_RECOVERY_MODES:
+            modes = " or ".join(repr(mode) for mode in constants.PS_RECOVERY_MODES)
+            raise ValueError(f"LaunchConfig: `ps_recovery` must be {modes} (--ps-recovery). "
+                             f"Received: ps_recovery={self.ps_recovery!r}.")
         if self.tasks is not None:
             set_("tasks", tuple((str(t), int(i)) for t, i in self.tasks))
             if not self.tasks:

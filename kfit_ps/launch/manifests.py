@@ -62,7 +62,7 @@ DEFAULT_REQUESTS = {"chief": {"cpu": "1", "memory": "2Gi"},
                     "evaluator": {"cpu": "1", "memory": "2Gi"}}
 # Seconds Kubernetes waits after the chief's SIGTERM beyond its `--grace`, for the
 # launcher to stop the servers of its pod.
-_SHUTDOWN_MARGIN = 10
+SHUTDOWN_MARGIN = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +88,8 @@ class ManifestConfig:
         backoff_limit: chief pods the Job replaces after a retry status (a
             disruption is not counted). Defaults to 6.
         grace: the chief's `--grace`: seconds to save after SIGTERM. The chief
-            pod's `terminationGracePeriodSeconds` is this plus 10. Defaults to 20.
+            pod's `terminationGracePeriodSeconds` is this plus `SHUTDOWN_MARGIN`.
+            Defaults to 20.
         status_port: each launcher's status page and metrics port (the chief's
             own metrics take the next port, on loopback). Defaults to 9400.
         scraper: labels of the pods allowed to scrape `status_port` (in any
@@ -183,6 +184,12 @@ class ManifestConfig:
             if task_type in getattr(self, key):
                 requests[key] = str(getattr(self, key)[task_type])
         return requests
+
+
+# Every manifest default with a plain value, from the fields above: `kfit-ps manifests`' flags
+# take theirs from here.
+MANIFEST_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ManifestConfig)
+                     if f.default is not dataclasses.MISSING}
 
 
 def _labels(config, task_type=None):
@@ -281,7 +288,7 @@ def _job(config, task_type, command, chief):
     spec = {"backoffLimit": config.backoff_limit,
             "template": {"metadata": metadata, "spec": pod}}
     if chief:
-        pod["terminationGracePeriodSeconds"] = config.grace + _SHUTDOWN_MARGIN
+        pod["terminationGracePeriodSeconds"] = config.grace + SHUTDOWN_MARGIN
         spec["podReplacementPolicy"] = "Failed"
         spec["podFailurePolicy"] = {"rules": exit_status.pod_failure_rules(task_type)}
     return {"apiVersion": "batch/v1", "kind": "Job",

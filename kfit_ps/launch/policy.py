@@ -32,6 +32,7 @@ import enum
 import time
 
 from kfit_ps import exit_status
+from kfit_ps.launch.config import LAUNCH_DEFAULTS
 from kfit_ps.launch.events import TaskExit, describe_status
 
 
@@ -54,10 +55,13 @@ class Decision:
 
 
 class RestartPolicy:
-    """Decides on each `TaskExit`; counts restarts per task."""
+    """Decides on each `TaskExit`; counts restarts per task. Its budget and times default to
+    `LaunchConfig`'s (`LAUNCH_DEFAULTS`)."""
 
-    def __init__(self, max_restarts=3, backoff=1.0, max_backoff=30.0, healthy_period=600.0,
-                 ps_failure_grace=60.0, clock=time.monotonic):
+    def __init__(self, max_restarts=LAUNCH_DEFAULTS["max_restarts"],
+                 backoff=LAUNCH_DEFAULTS["backoff"], max_backoff=LAUNCH_DEFAULTS["max_backoff"],
+                 healthy_period=LAUNCH_DEFAULTS["healthy_period"],
+                 ps_failure_grace=LAUNCH_DEFAULTS["ps_failure_grace"], clock=time.monotonic):
         self.max_restarts, self.backoff, self.max_backoff = max_restarts, backoff, max_backoff
         self.ps_failure_grace = ps_failure_grace
         self.healthy_period, self._clock = healthy_period, clock
