@@ -11,6 +11,8 @@ differs from what this writes, so the docs cannot drift from the code.
 | `events` | `kfit_ps.observe.events.KINDS` | `docs/observability.md` |
 | `metrics` | `kfit_ps.observe.metrics.TABLE` | `docs/observability.md` |
 | `settings` | the table in `kfit_ps.constants`' docstring | `docs/configuration.md` |
+| `pod_failure` | `kfit_ps.exit_status`' table under `pod_failure_rules` | `docs/kubernetes.md` |
+| `ledger_logs` | `kfit_ps.ledger.ledger.LOG_KEYS` | `docs/training_input.md` |
 """
 
 import os
@@ -24,10 +26,50 @@ def _docstring_table(module):
     return "\n".join(line for line in module.__doc__.splitlines() if line.startswith("|"))
 
 
+def _docstring_rows(module):
+    """The cells of each row of `module`'s docstring table, below its header and rule."""
+    lines = _docstring_table(module).splitlines()[2:]
+    return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines]
+
+
 def exit_status():
     from kfit_ps import exit_status as module
 
     return _docstring_table(module)
+
+
+# Exit codes of a program error shown in `pod_failure` (an exception, argparse, a segfault).
+_PROGRAM_ERRORS = (1, 2, 139)
+
+
+def pod_failure():
+    """What the chief Job's `podFailurePolicy` does with each exit status of the contract."""
+    from kfit_ps import exit_status as module
+    from tests.pod_failure_policy import DISRUPTED, first_matching_rule
+
+    rules = module.pod_failure_rules("chief")
+
+    def action(codes, conditions):
+        [taken] = {first_matching_rule(rules, code, conditions) for code in codes}
+        return "succeeded" if taken == "Succeeded" else f"`{taken}`"
+
+    rows = ["| exit code | name | meaning | action | with `DisruptionTarget` |",
+            "| --- | --- | --- | --- | --- |"]
+    for status, name, _, meaning, *_ in _docstring_rows(module):
+        codes = (int(status),) if status.isdigit() else _PROGRAM_ERRORS
+        if not status.isdigit():
+            status += f" ({', '.join(map(str, _PROGRAM_ERRORS))}, ...)"
+        rows.append(f"| {status} | {name} | {meaning} | {action(codes, ())} | "
+                    f"{action(codes, DISRUPTED)} |")
+    return "\n".join(rows)
+
+
+def ledger_logs():
+    from kfit_ps.ledger.ledger import LOG_KEYS
+
+    rows = ["| key | meaning |", "| --- | --- |"]
+    rows += [f"| `{key}` | {meaning} |" for key, (_, meaning) in LOG_KEYS.items()]
+    return "\n".join(rows)
 
 
 def restart_policy():
@@ -68,6 +110,8 @@ TABLES = {
     "events": (events, "docs/observability.md"),
     "metrics": (metrics, "docs/observability.md"),
     "settings": (settings, "docs/configuration.md"),
+    "pod_failure": (pod_failure, "docs/kubernetes.md"),
+    "ledger_logs": (ledger_logs, "docs/training_input.md"),
 }
 
 

@@ -15,6 +15,7 @@ from tests import helpers
 
 from kfit_ps import exit_status
 from kfit_ps.launch.manifests import DEFAULT_REQUESTS
+from tests.pod_failure_policy import DISRUPTED, first_matching_rule
 
 # The oldest Kubernetes whose Job API has everything the chief's Job uses (per-index backoff
 # and podFailurePolicy GA; podReplacementPolicy beta, on by default), and the newest schema
@@ -139,35 +140,6 @@ def test_restart_policies_match_the_fault_tolerance_semantics():
     assert chief["template"]["spec"]["terminationGracePeriodSeconds"] == 35
     assert chief["podReplacementPolicy"] == "Failed"
     assert chief["podFailurePolicy"]["rules"] == exit_status.pod_failure_rules("chief")
-
-
-def first_matching_rule(rules, exit_code, conditions=()):
-    """The action Kubernetes' Job controller takes for a failed chief pod.
-
-    As documented for `podFailurePolicy`: the rules are tried in order and the first
-    that matches decides; `onExitCodes` looks at the named container's exit code (a
-    code of 0 never matches); `onPodConditions` at the pod's conditions. A failed pod
-    that no rule matches is counted against `backoffLimit` ("Count").
-    """
-    if exit_code == 0:
-        return "Succeeded"  # Not a failure: the policy is not consulted.
-    for rule in rules:
-        on_codes = rule.get("onExitCodes")
-        if on_codes is not None:
-            assert on_codes["containerName"] == "chief"
-            values = on_codes["values"]
-            assert values == sorted(set(values))  # the API's rule for `values`
-            assert 0 not in values or on_codes["operator"] == "NotIn"  # likewise
-            inside = exit_code in values
-            if inside == (on_codes["operator"] == "In"):
-                return rule["action"]
-        for condition in rule.get("onPodConditions", []):
-            if (condition["type"], condition["status"]) in conditions:
-                return rule["action"]
-    return "Count"
-
-
-DISRUPTED = {("DisruptionTarget", "True")}
 
 
 @pytest.mark.parametrize("case, exit_code, conditions, action", [

@@ -43,6 +43,17 @@ class Rerun:
         return self.first_batch * batch_size, self.first_batch * batch_size + self.examples
 
 
+# The keys `EpochReport.logs` adds to each one-pass epoch's logs: the report's attribute each
+# reports, and what it means (docs/training_input.md prints this).
+LOG_KEYS = {
+    "ledger_splits": ("splits", "splits this run trained in the epoch"),
+    "ledger_splits_rerun": ("splits_rerun", "splits whose function started more than once"),
+    "ledger_examples_rerun": ("examples_rerun",
+                              "at most this many examples were trained twice"),
+    "ledger_splits_lost": ("lost", "splits of the epoch that no finished function trained: 0"),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class EpochReport:
     """What one epoch trained, split by split."""
@@ -68,12 +79,14 @@ class EpochReport:
                 f"worker loss (at most {self.examples_rerun} examples trained twice), "
                 f"{self.lost} lost; every other split trained exactly once.")
 
+    @property
+    def splits_rerun(self):
+        """Splits whose function started more than once."""
+        return len(self.reruns)
+
     def logs(self):
-        """The report as epoch logs (History, TensorBoard)."""
-        return {"ledger_splits": float(self.splits),
-                "ledger_splits_rerun": float(len(self.reruns)),
-                "ledger_examples_rerun": float(self.examples_rerun),
-                "ledger_splits_lost": float(self.lost)}
+        """The report as epoch logs (History, TensorBoard): `LOG_KEYS`."""
+        return {key: float(getattr(self, name)) for key, (name, _) in LOG_KEYS.items()}
 
 
 class Ledger:
