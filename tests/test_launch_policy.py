@@ -1,9 +1,13 @@
 """The launcher's decisions (policy) and configuration, without processes."""
 
+import io
+
 import pytest
 
 from kfit_ps import exit_status
-from kfit_ps.launch import Action, LaunchConfig, RestartPolicy, TaskExit
+from kfit_ps.launch import Action, Decision, LaunchConfig, RestartPolicy, Supervisor, TaskExit
+from kfit_ps.launch.chief_watch import ChiefWatch
+from kfit_ps.launch.liveness import LivenessWatch
 
 
 def decide(policy, task, status, server_lost=False):
@@ -81,6 +85,95 @@ def test_restarts_back_off_and_are_limited_per_task():
     assert decide(policy, "ps:0", -9).action is Action.FAIL
     assert decide(policy, "chief:0", -15).action is Action.RESTART_JOB
     assert decide(policy, "chief:0", -15).action is Action.FAIL
+
+
+class _Servers:
+    """A host's servers as the supervisor sees them, recording what it does to them."""
+
+    def __init__(self):
+        self.done = []
+        self.config = self
+
+    def server_tasks(self):
+        return [("worker", 0), ("ps", 0), ("ps", 1)]
+
+    def pid(self, task_type, index):
+        return 100 + 10 * (task_type == "ps") + index
+
+    def address(self, task_type, index):
+        return f"localhost:{2000 + self.pid(task_type, index)}"
+
+    def exited(self):
+        return {}
+
+    def kill(self, task_type, index):
+        self.done.append(("kill", f"{task_type}:{index}"))
+
+    def restart(self, task_type, index):
+        self.done.append(("restart", f"{task_type}:{index}"))
+
+
+class _View:
+    def __init__(self):
+        self.due = {}
+
+    def restart_is_due(self, task, reason):
+        self.due[task] = reason
+
+    def started_task(self, task, pid):
+        pass
+
+    def write_tasks(self, tasks, restarts):
+        pass
+
+
+def supervised(tmp_path, policy):
+    """A supervisor of a host of servers (no processes), its chief gone and worker:0
+    wedged: what it does on those findings is up to `policy`."""
+    supervisor = Supervisor(LaunchConfig(tasks=[("worker", 0), ("ps", 0), ("ps", 1)],
+                                         run_dir=str(tmp_path)), policy=policy, out=io.StringIO())
+    supervisor.cluster, supervisor.view = _Servers(), _View()
+    answers = iter([True, False, False])  # up, then two probes missed: gone
+    supervisor._chief_watch = ChiefWatch("chief:2222", interval=0, clock=lambda: 1.0,
+                                         probe=lambda address, timeout: next(answers))
+    now = [0.0]
+    supervisor._liveness = LivenessWatch(5.0, interval=0, clock=lambda: now[0],
+                                         probe=lambda address, timeout: "2100" not in address)
+    for _ in range(3):
+        supervisor._restart_ps_when_the_chief_went_away()
+    supervisor._kill_wedged_servers()  # worker:0 silent from now...
+    now[0] = 10.0
+    supervisor._kill_wedged_servers()  # ...for 10 s: wedged
+    return supervisor
+
+
+def test_the_supervisor_carries_out_the_policys_decisions_beside_a_task_exit(tmp_path):
+    supervisor = supervised(tmp_path, RestartPolicy())
+    # The chief went away: each ps restarted at once, its exit not decided on (RESTART_TASK);
+    # worker:0 wedged: killed only, its exit decided on later (KILL_TASK).
+    assert supervisor.cluster.done == [("kill", "ps:0"), ("restart", "ps:0"),
+                                       ("kill", "ps:1"), ("restart", "ps:1"),
+                                       ("kill", "worker:0")]
+    assert supervisor._seen == {("ps:0", 110), ("ps:1", 111)}
+    assert supervisor.view.due == {"ps:0": "chief_gone", "ps:1": "chief_gone",
+                                   "worker:0": "wedged"}
+    said = supervisor.out.getvalue()
+    assert "the chief (chief:2222) went away" in said and "worker:0 accepts connections" in said
+
+    class Swapped(RestartPolicy):  # Another policy's decisions, carried out as they say.
+        @staticmethod
+        def chief_gone(address):
+            return Decision(Action.KILL_TASK, reason=f"{address} went away: killing the ps")
+
+        @staticmethod
+        def wedged(task, timeout):
+            return Decision(Action.RESTART_TASK, reason=f"{task} is wedged: restarting it")
+
+    supervisor = supervised(tmp_path, Swapped())
+    assert supervisor.cluster.done == [("kill", "ps:0"), ("kill", "ps:1"),
+                                       ("kill", "worker:0"), ("restart", "worker:0")]
+    assert supervisor._seen == {("worker:0", 100)}
+    assert "chief:2222 went away: killing the ps" in supervisor.out.getvalue()
 
 
 @pytest.mark.parametrize("kwargs, fragment", [

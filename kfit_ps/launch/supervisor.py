@@ -297,7 +297,7 @@ class Supervisor:
         decision = self.policy.chief_overdue(time.monotonic() - self._ps_lost_at)
         if decision is not None:
             self.say(decision.reason)
-            self.chief.stop()
+            self._carry_out(decision, CHIEF)
 
     def _restart_server(self, task):
         if self._stop_signal is not None:
@@ -319,14 +319,12 @@ class Supervisor:
         against their budget): a ps never keeps a dead chief's variables."""
         if self._chief_watch is None or not self._chief_watch.gone():
             return
-        self.say(self.policy.chief_gone(self._chief_watch.address).reason)
+        decision = self.policy.chief_gone(self._chief_watch.address)
+        self.say(decision.reason)
         for task_type, index in self.cluster.server_tasks():
             task = f"{task_type}:{index}"
             if task_type == constants.PS and task not in self._due:
-                self._seen.add((task, self.cluster.pid(task_type, index)))
-                self.view.restart_is_due(task, "chief_gone")
-                self.cluster.kill(task_type, index)  # (returns at once if it already ended)
-                self._restart_server(task)
+                self._carry_out(decision, task, "chief_gone")
 
     def _kill_wedged_servers(self):
         """SIGKILLs a server that accepts connections but has stopped answering; its exit is
@@ -337,10 +335,28 @@ class Supervisor:
         servers = {f"{t}:{i}": (self.cluster.pid(t, i), self.cluster.config.address(t, i))
                    for t, i in self.cluster.server_tasks() if (t, i) not in exited}
         for task in self._liveness.wedged(servers):
-            self.say(self.policy.wedged(task, self._liveness.timeout).reason)
-            task_type, index = task.split(":")
-            self.view.restart_is_due(task, "wedged")
-            self.cluster.kill(task_type, int(index))
+            decision = self.policy.wedged(task, self._liveness.timeout)
+            self.say(decision.reason)
+            self._carry_out(decision, task, "wedged")
+
+    def _carry_out(self, decision, task, why=None):
+        """Carries out a decision taken beside a task's exit, on `task`: `STOP_CHIEF` stops
+        the chief; `KILL_TASK` kills a server, whose exit is then decided on like any other;
+        `RESTART_TASK` kills it and starts it again at once, its exit not decided on (nor
+        counted). `why` names the restart in the metrics and events."""
+        if decision.action is Action.STOP_CHIEF:
+            self.chief.stop()
+            return
+        if decision.action not in (Action.KILL_TASK, Action.RESTART_TASK):
+            raise ValueError(f"the supervisor cannot carry out {decision.action} on {task} "
+                             f"beside a task's exit (decision: {decision.reason!r})")
+        task_type, index = task.split(":")
+        if decision.action is Action.RESTART_TASK:
+            self._seen.add((task, self.cluster.pid(task_type, int(index))))
+        self.view.restart_is_due(task, why)
+        self.cluster.kill(task_type, int(index))  # (returns at once if it already ended)
+        if decision.action is Action.RESTART_TASK:
+            self._restart_server(task)
 
     def _not_ready(self, error):
         """Kills a server that runs but does not serve; its restart is due after a back-off."""
