@@ -1,6 +1,6 @@
 """Seeded worker kills during a fit: the one helper that tests and `bench/` use.
 
-`kill_serving_workers` SIGKILLs a serving training worker (never one still restarting)
+`WorkerKills` SIGKILLs a serving training worker (never one still restarting)
 each time the job's progress reaches one of `points`, and restarts it shortly after, so
 the kills land inside the fit at places a seed fixes.
 """
@@ -9,9 +9,9 @@ import threading
 import time
 
 
-def kill_points(rng, low, high, count):
-    """`count` sorted distinct progress points in `[low, high)`, drawn from `rng`."""
-    return sorted(rng.sample(range(low, high), count))
+def kill_points(rng, low, high, count, step=1):
+    """`count` sorted distinct progress points of `range(low, high, step)`, drawn from `rng`."""
+    return sorted(rng.sample(range(low, high, step), count))
 
 
 class WorkerKills:

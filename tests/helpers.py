@@ -66,7 +66,9 @@ _HANDED_OUT = set()
 def free_port():
     """A port free on this machine right now, never one this process was handed before (the
     kernel may hand a just-closed probe port out again, and a spec with it twice is invalid)."""
-    from kfit_ps import net  # (here: importing kfit_ps loads TensorFlow and Keras)
+    # Here, not at the top: `import kfit_ps` loads neither TensorFlow nor Keras, but it puts
+    # its standard-error filter in place (`kfit_ps.tf_logs`).
+    from kfit_ps import net
 
     return net.distinct_ports("localhost", 1, _HANDED_OUT)[0]
 

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from kfit_ps import net
 from kfit_ps.launch import isolation
 from tests import helpers
 from tests.test_launcher import JOB, Job
@@ -21,14 +22,6 @@ def this_machines_addresses():
     out = subprocess.run(["ip", "-4", "-o", "addr", "show", "scope", "global"],
                          capture_output=True, text=True).stdout
     return re.findall(r"inet (\d+\.\d+\.\d+\.\d+)/", out)
-
-
-def accepts(host, port):
-    try:
-        socket.create_connection((host, port), timeout=2).close()
-        return True
-    except OSError:
-        return False
 
 
 # That `kfit-ps quickstart` runs isolated by default is checked on the README's main job itself
@@ -47,9 +40,9 @@ def test_isolated_servers_cannot_be_reached_from_outside_and_the_job_trains(tmp_
         job.read_until(lambda line: line.startswith("[chief] STEP "))  # it trains
         assert any("network isolated" in line for line in job.lines)
         for port in ports:
-            assert not accepts("127.0.0.1", port)  # not this namespace's loopback
+            assert not net.accepts_connections(f"127.0.0.1:{port}", timeout=2)  # not our loopback
             for address in this_machines_addresses():
-                assert not accepts(address, port), (address, port)
+                assert not net.accepts_connections(f"{address}:{port}", timeout=2), (address, port)
         job.proc.send_signal(signal.SIGTERM)
         assert job.proc.wait(timeout=30) == 128 + signal.SIGTERM
     finally:

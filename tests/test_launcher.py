@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from kfit_ps import membership
-from tests import helpers
+from tests import chaos, helpers
 
 # A chief script. It prints "STEP <iterations>" at every synchronisation (each backup) and
 # "RESULT {...}" at the end; `kfit-ps run --backup-dir` adds the BackupAndRestore.
@@ -128,7 +128,7 @@ def test_a_job_survives_sigkill_of_a_worker_a_ps_and_the_chief(tmp_path):
     rng = random.Random(1234)
     victims = ["worker:1", "ps:0", "chief:0"]
     rng.shuffle(victims)
-    points = sorted(rng.sample(range(150, 1400, 50), 3))
+    points = chaos.kill_points(rng, 150, 1400, 3, step=50)
     killed = []
     try:
         for victim, point in zip(victims, points):

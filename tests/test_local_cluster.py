@@ -12,16 +12,8 @@ import psutil
 import pytest
 
 from kfit_ps import LocalCluster, constants
+from kfit_ps.net import accepts_connections
 from tests import helpers
-
-
-def accepts(address):
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=1):
-            return True
-    except OSError:
-        return False
 
 
 @pytest.mark.slow
@@ -40,18 +32,19 @@ def test_servers_are_forked_from_one_template_that_ends_with_the_cluster(
         assert psutil.Process(template).ppid() == os.getpid()
         for (task_type, index), p in processes.items():
             assert p.name() == f"{task_type}:{index}" and helpers.is_server(p)
-            assert os.getsid(p.pid) == p.pid and accepts(cluster.address(task_type, index))
+            assert os.getsid(p.pid) == p.pid
+            assert accepts_connections(cluster.address(task_type, index))
         cluster.kill("worker", 1, sig=signal.SIGTERM)
         assert cluster.exited() == {("worker", 1): -signal.SIGTERM}
         cluster.restart("worker", 1)
         assert psutil.Process(cluster.pid("worker", 1)).ppid() == template
-        assert accepts(cluster.address("worker", 1)) and cluster.exited() == {}
+        assert accepts_connections(cluster.address("worker", 1)) and cluster.exited() == {}
 
         monkeypatch.setenv("KFIT_PS_TEST_OTHER_SETTING", "1")  # not the template's environment
         cluster.kill("ps", 0)
         cluster.restart("ps", 0)
         assert psutil.Process(cluster.pid("ps", 0)).ppid() == os.getpid()
-        assert accepts(cluster.address("ps", 0))
+        assert accepts_connections(cluster.address("ps", 0))
         assert psutil.Process(cluster.pid("worker", 0)).ppid() == template
     assert helpers.wait_for_no_servers([template], timeout=10) == []  # gone (or a zombie)
 
@@ -72,7 +65,7 @@ def test_a_killed_server_template_takes_its_servers_and_they_restart_from_a_new_
         for task in cluster.server_tasks():
             assert os.path.exists(cluster._log_path(*task))
             cluster.restart(*task)
-            assert accepts(cluster.address(*task))
+            assert accepts_connections(cluster.address(*task))
         [new] = {psutil.Process(p).ppid() for p in cluster.pids()}
         assert new != template and psutil.Process(new).name() == fork_server.TEMPLATE_NAME
 
@@ -106,7 +99,7 @@ def test_servers_start_as_processes_of_their_own_when_forking_is_off(children_re
         for task in cluster.server_tasks():
             p = psutil.Process(cluster.pid(*task))
             assert p.ppid() == os.getpid() and helpers.is_server(p)
-            assert accepts(cluster.address(*task))
+            assert accepts_connections(cluster.address(*task))
 
 
 @pytest.mark.slow
@@ -114,7 +107,7 @@ def test_start_kill_restart_stop(children_reaped):
     with LocalCluster(num_workers=2, num_ps=1) as cluster:
         assert len(cluster.pids()) == 3
         for task in (("worker", 0), ("worker", 1), ("ps", 0)):
-            assert accepts(cluster.address(*task))
+            assert accepts_connections(cluster.address(*task))
             assert helpers.is_server(psutil.Process(cluster.pid(*task)))
         spec = cluster.cluster_resolver.cluster_spec().as_dict()
         assert set(spec) == {"chief", "worker", "ps"}
@@ -123,12 +116,12 @@ def test_start_kill_restart_stop(children_reaped):
         old_pid, address = cluster.pid("worker", 0), cluster.address("worker", 0)
         cluster.kill("worker", 0)
         assert not psutil.pid_exists(old_pid) or psutil.Process(old_pid).status() == "zombie"
-        assert not accepts(address)
+        assert not accepts_connections(address)
         with pytest.raises(RuntimeError, match="still running"):
             cluster.restart("worker", 1)
         cluster.restart("worker", 0)
         assert cluster.pid("worker", 0) != old_pid
-        assert cluster.address("worker", 0) == address and accepts(address)
+        assert cluster.address("worker", 0) == address and accepts_connections(address)
         pids = cluster.pids()
         log_dir = cluster._log_dir
         assert os.path.isdir(log_dir)
@@ -304,7 +297,7 @@ def test_port_taken_before_the_server_binds_is_retried(monkeypatch, children_rea
     try:
         with LocalCluster(num_workers=1, num_ps=1) as cluster:
             assert cluster.address("worker", 0) != f"localhost:{taken}"
-            assert len(cluster.pids()) == 2 and accepts(cluster.address("worker", 0))
+            assert len(cluster.pids()) == 2 and accepts_connections(cluster.address("worker", 0))
             assert len(calls) == 6  # 3 addresses per attempt, 2 attempts
     finally:
         squatter.close()

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tests import helpers, netns
+from tests import chaos, helpers, netns
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos,
               pytest.mark.skipif(netns.unavailable() is not None,
@@ -275,7 +275,7 @@ def test_chaos_across_hosts_kills_a_remote_ps_a_worker_preempts_and_restarts_the
 
     rng = random.Random(2026)
     events = ["kill worker", "kill ps", "kill chief", "preempt", "ps host down", "kill chief"]
-    thresholds = sorted(rng.sample(range(50, 700, 25), len(events)))
+    thresholds = chaos.kill_points(rng, 50, 700, len(events), step=25)
     ps_memory, stopped_at, resumed_at = [], None, None
 
     def next_step(at_least):
