@@ -41,7 +41,6 @@ log = logging.getLogger("kfit_ps.cluster")
 
 TEMPLATE_NAME = "kfit_ps-servers"  # the template's `comm` (15 characters at most)
 _PR_SET_NAME = 15
-_READY_SECONDS = 120.0
 _FORK_SECONDS = 30.0
 
 
@@ -219,7 +218,7 @@ class ForkServer:
             self._reader.start()
             with self._lock:
                 ready = self._lock.wait_for(lambda: self._ready or self._eof,
-                                            _READY_SECONDS) and self._ready
+                                            constants.startup_timeout()) and self._ready
         finally:  # Also when interrupted (Ctrl-C, the launcher's stop): no template is left.
             if not ready:
                 self._proc.kill()

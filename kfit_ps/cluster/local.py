@@ -433,11 +433,13 @@ class LocalCluster:
             [(name, self.config.address(*task)) for name, task in tasks.items()],
             self._startup_timeout, ready=ready)
         if missing:
-            task_type, index = tasks[missing[0]]
+            names = ", ".join(f"{name} ({self.config.address(*tasks[name])})" for name in missing)
+            logs = "\n".join(f"The log of {name}:\n{self.log_tail(*tasks[name])}"
+                             for name in missing)
             raise ServerNotReady(
-                f"LocalCluster: server {missing[0]} did not start serving within "
-                f"{self._startup_timeout:.0f}s (set {constants.STARTUP_TIMEOUT_ENV} to wait "
-                f"longer). Its log:\n{self.log_tail(task_type, index)}", task=missing[0])
+                f"LocalCluster: server{'s' if len(missing) > 1 else ''} {names} did not start "
+                f"serving within {self._startup_timeout:.0f}s (set "
+                f"{constants.STARTUP_TIMEOUT_ENV} to wait longer).\n{logs}", task=missing[0])
 
     def _raise_exited(self, task_type, index, returncode):
         tail = self.log_tail(task_type, index)

@@ -5,7 +5,8 @@ class ServerNotReady(TimeoutError):
     """A server process runs but did not start serving in time (it is left running).
 
     Attributes:
-        task: `"worker:0"`-style name of the server.
+        task: `"worker:0"`-style name of the server; the first of them when several did
+            not start serving (the message names each, with its log).
     """
 
     def __init__(self, message, task):
