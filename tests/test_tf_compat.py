@@ -700,3 +700,96 @@ def test_critical_sections_of_a_function_are_taken_one_at_a_time():
     del graph, step, locks, release
     gc.collect()
     assert traced() is None
+
+
+def test_a_copy_of_a_new_kind_never_runs_beside_another_copy(strategy, monkeypatch):
+    """TensorFlow's coordinator copies results to the chief from several threads; a copy of a
+    new kind (a dtype not copied from that worker yet) instantiates a remote part, which can
+    move the part another copy is reading (`result_copies`: a use-after-free in TensorFlow,
+    seen as a chief SIGSEGV in `identity` and "Unable to parse request"). With the gate, a
+    first copy of its kind overlaps no other copy; known kinds still copy side by side."""
+    import threading
+
+    from tensorflow.python.distribute.coordinator import values as coordinator_values
+    from tensorflow.python.eager import context
+
+    from kfit_ps._tf_compat import result_copies
+
+    wrapped = coordinator_values.RemoteValueImpl._copy_to_local
+    assert hasattr(wrapped, "_kfit_ps_stock")  # installed by the strategy, once
+    assert not hasattr(wrapped._kfit_ps_stock, "_kfit_ps_stock")
+    for name in ("set_server_def", "update_server_def"):
+        assert hasattr(getattr(context.Context, name), "_kfit_ps_stock")
+    intervals, lock = [], threading.Lock()
+
+    def probed(self):  # TensorFlow's copy, timed, under the gate as installed
+        start = time.perf_counter()
+        time.sleep(0.002)  # widen each copy: overlaps would show
+        try:
+            return wrapped._kfit_ps_stock(self)
+        finally:
+            with lock:
+                intervals.append((start, time.perf_counter(), result_copies._kind(self)))
+
+    monkeypatch.setattr(coordinator_values.RemoteValueImpl, "_copy_to_local",
+                        result_copies._safe_copy(probed))
+    result_copies._gate.reset()  # as after a cluster change: every kind is new
+    dtypes = [tf.float16, tf.float32, tf.float64, tf.int16, tf.int32, tf.int64, tf.uint8,
+              tf.bool, tf.complex64]
+    functions = [tf.function(lambda i, dt=dt: tf.cast(i, dt)) for dt in dtypes]
+    results = []
+    for round_ in range(4):
+        for function in functions:
+            results += [strategy.coordinator.schedule(function, args=(tf.constant(k),))
+                        for k in range(3)]
+    strategy.coordinator.join()
+    assert len(intervals) == len(results) == 4 * 3 * len(dtypes)
+    intervals.sort()
+    firsts, seen = [], set()
+    for interval in intervals:
+        if interval[2] not in seen:
+            seen.add(interval[2])
+            firsts.append(interval)
+    assert len(seen) >= len(dtypes)  # one kind per dtype and worker that ran it
+    for first in firsts:
+        beside = [other for other in intervals if other is not first
+                  and other[0] < first[1] and first[0] < other[1]]
+        assert not beside, (first, beside[:3])
+    overlapping = sum(1 for a, b in zip(intervals, intervals[1:]) if b[0] < a[1])
+    assert overlapping > 0  # known kinds are not serialized
+    assert [r.fetch().dtype for r in results[:len(dtypes) * 3:3]] == [
+        dt.as_numpy_dtype for dt in dtypes]
+
+
+def test_the_result_copy_gate_waits_a_bounded_time_and_admits_a_thread_inside_it():
+    """A copy stuck on a stopped worker holds the gate: a new kind waits for it at most the
+    gate's bound, then copies beside it (as TensorFlow alone would), never for good; a
+    thread already inside passes again without waiting."""
+    import threading
+
+    from kfit_ps._tf_compat.result_copies import _Gate
+
+    gate = _Gate(wait=0.3)
+    inside, release = threading.Event(), threading.Event()
+
+    def stuck():
+        with gate.passage("known"):
+            inside.set()
+            release.wait(10)
+
+    with gate.passage("known"):
+        with gate.passage(None):  # re-entry: no wait on itself
+            pass
+    thread = threading.Thread(target=stuck)
+    thread.start()
+    assert inside.wait(10)
+    start = time.monotonic()
+    with gate.passage("new"):
+        waited = time.monotonic() - start
+    assert 0.25 < waited < 5
+    release.set()
+    thread.join(10)
+    start = time.monotonic()
+    with gate.passage("new"):  # seen now, and nobody inside: no wait
+        pass
+    assert time.monotonic() - start < 0.2

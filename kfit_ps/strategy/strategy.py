@@ -139,6 +139,7 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         _tf_compat.install_exact_batch_norm()
         _tf_compat.install_exact_seed_generator()
         _tf_compat.install_quiet_executor_teardown()
+        _tf_compat.install_safe_result_copies()
         if variable_partitioner is not None:
             _tf_compat.install_sharding_support()
         resolver = (_resolver_from_tf_config() if cluster_resolver is None
