@@ -153,6 +153,7 @@ class _DataService:
 
         service = tf.data.experimental.service
         self.work_dir = tempfile.mkdtemp(prefix="kfit_ps_data_service_")
+        atexit.register(shutil.rmtree, self.work_dir, True)  # its journal: this run's only
         self.dispatcher = service.DispatchServer(service.DispatcherConfig(
             port=0, work_dir=self.work_dir, fault_tolerant_mode=True))
         address = self.dispatcher.target.split("://")[1]
