@@ -12,6 +12,7 @@ differs from what this writes, so the docs cannot drift from the code.
 | `metrics` | `kfit_ps.observe.metrics.TABLE` | `docs/observability.md` |
 | `settings` | the table in `kfit_ps.constants`' docstring | `docs/configuration.md` |
 | `pod_failure` | `kfit_ps.exit_status`' table under `pod_failure_rules` | `docs/kubernetes.md` |
+| `jobset_failure` | `tests/jobset_policy.SCENARIOS` on the JobSet form | `docs/kubernetes.md` |
 | `ledger_logs` | `kfit_ps.ledger.ledger.LOG_KEYS` | `docs/training_input.md` |
 """
 
@@ -64,6 +65,38 @@ def pod_failure():
     return "\n".join(rows)
 
 
+def jobset_failure():
+    """What the JobSet form's Jobs and the JobSet do with each failure of `SCENARIOS`."""
+    from kfit_ps.launch import jobset
+    from kfit_ps.launch.manifests import ManifestConfig
+    from tests.jobset_policy import SCENARIOS, outcome
+
+    obj = jobset.jobset(ManifestConfig(name="ctr", image="img", command=("python", "t.py"),
+                                       evaluator_command=("kfit-ps", "evaluator")))
+    new_pod = {"Ignore": "`Ignore`: a new pod, not counted", "Count": "`Count`: a new pod",
+               "Complete": "completes"}
+    rows = ["| what happened | replicated job | exit code | its Job | the JobSet |",
+            "| --- | --- | --- | --- | --- |"]
+    for scenario in SCENARIOS:
+        (decision, reason), taken = outcome(obj, scenario)
+        code = f"{scenario.exit_code}" + (" with `DisruptionTarget`" if scenario.conditions
+                                          else "")
+        job = f"fails (`{reason}`)" if decision == "Failed" else new_pod[decision]
+        if decision == "Count" and scenario.replicated_job == "evaluator":
+            job = "`OnFailure`: restarted in place, counted"
+        if taken is None:
+            action = "nothing: its Jobs run on"
+        elif taken == "Completed":
+            action = "Completed: the Jobs still running deleted"
+        elif taken[0] == "ReachedMaxRestarts":
+            action = "fails (`ReachedMaxRestarts`)"
+        else:
+            action = f"`{taken[0]}` (rule `{taken[1]}`)"
+        rows.append(f"| {scenario.case} | `{scenario.replicated_job}` | {code} | {job} | "
+                    f"{action} |")
+    return "\n".join(rows)
+
+
 def ledger_logs():
     from kfit_ps.ledger.ledger import LOG_KEYS
 
@@ -111,6 +144,7 @@ TABLES = {
     "metrics": (metrics, "docs/observability.md"),
     "settings": (settings, "docs/configuration.md"),
     "pod_failure": (pod_failure, "docs/kubernetes.md"),
+    "jobset_failure": (jobset_failure, "docs/kubernetes.md"),
     "ledger_logs": (ledger_logs, "docs/training_input.md"),
 }
 

@@ -1,10 +1,10 @@
 """Kubernetes' first-match rule for a Job's `podFailurePolicy`, as documented: the manifests'
 tests and the table in `docs/kubernetes.md` (`tests/doc_tables.py`) apply it to the chief
-Job's rules."""
+Job's rules, and `tests/jobset_policy.py` to every Job of the JobSet form."""
 
 
-def first_matching_rule(rules, exit_code, conditions=()):
-    """The action Kubernetes' Job controller takes for a failed chief pod.
+def first_matching_rule(rules, exit_code, conditions=(), container="chief"):
+    """The action Kubernetes' Job controller takes for a failed pod (the chief's by default).
 
     As documented for `podFailurePolicy`: the rules are tried in order and the first
     that matches decides; `onExitCodes` looks at the named container's exit code (a
@@ -16,7 +16,7 @@ def first_matching_rule(rules, exit_code, conditions=()):
     for rule in rules:
         on_codes = rule.get("onExitCodes")
         if on_codes is not None:
-            assert on_codes["containerName"] == "chief"
+            assert on_codes["containerName"] == container
             values = on_codes["values"]
             assert values == sorted(set(values))  # the API's rule for `values`
             assert 0 not in values or on_codes["operator"] == "NotIn"  # likewise

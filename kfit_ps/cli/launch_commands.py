@@ -147,10 +147,18 @@ def _resources(parser, flag, text):
 def cmd_manifests(args, parser):
     import shlex
 
-    from kfit_ps.launch.manifests import ManifestConfig, render, to_yaml
+    from kfit_ps.launch import jobset, manifests
 
+    formats = {"statefulsets": manifests.render, "jobset": jobset.render}  # `--format`
+    if args.format not in formats:
+        flag_error(parser, "--format", args.format,
+                   "must be 'jobset' (a JobSet: needs the JobSet controller, v0.12 or later) or "
+                   "'statefulsets' (StatefulSets and Jobs: any cluster).")
+    if args.ttl_after_finished is not None and args.format != "jobset":
+        flag_error(parser, "--ttl-after-finished", args.ttl_after_finished,
+                   "deletes a finished JobSet: pass it with --format jobset, or drop it.")
     try:
-        config = ManifestConfig(
+        config = manifests.ManifestConfig(
             name=args.name, image=args.image, command=_chief_command(args),
             num_workers=args.workers,
             num_ps=args.ps, namespace=args.namespace, port=args.port, claim=args.claim,
@@ -158,10 +166,11 @@ def cmd_manifests(args, parser):
             backup_dir=args.backup_dir, save_freq=args.save_freq,
             max_restarts=args.max_restarts, grace=args.grace, status_port=args.status_port,
             cpu=_resources(parser, "--cpu", args.cpu),
-            memory=_resources(parser, "--memory", args.memory))
+            memory=_resources(parser, "--memory", args.memory),
+            ttl_after_finished=args.ttl_after_finished)
     except ValueError as e:
         parser.error(str(e))
-    sys.stdout.write(to_yaml(render(config)))
+    sys.stdout.write(manifests.to_yaml(formats[args.format](config)))
     return 0
 
 
@@ -275,8 +284,16 @@ def add_parsers(sub):
 
     manifests = sub.add_parser(
         "manifests", help="print the Kubernetes manifests of a job (YAML)",
-        description="Renders Services, StatefulSets (workers, ps), Jobs (chief, evaluator), "
+        description="Renders a JobSet (--format jobset) or Services, StatefulSets (workers, "
+                    "ps) and Jobs (chief, evaluator) (--format statefulsets), with "
                     "PodDisruptionBudgets and a NetworkPolicy; apply with `kubectl apply -f -`.")
+    manifests.add_argument("--format", default="statefulsets",
+                           help="'jobset': one JobSet (needs the JobSet controller, v0.12 or "
+                                "later); 'statefulsets': StatefulSets and Jobs, for any "
+                                "cluster (default statefulsets)")
+    manifests.add_argument("--ttl-after-finished", type=int, default=None,
+                           help="with --format jobset: seconds after which a finished JobSet "
+                                "is deleted (default: kept)")
     manifests.add_argument("--name", required=True, help="the job's name (a DNS label)")
     manifests.add_argument("--image", required=True, help="container image")
     manifests.add_argument("--workers", type=int, default=_manifest_default("num_workers"))

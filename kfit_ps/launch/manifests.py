@@ -1,7 +1,11 @@
 """Kubernetes manifests of a parameter-server job (`kfit-ps manifests`).
 
 Kubeflow's Trainer v2 no longer runs TensorFlow jobs, so `TF_CONFIG` is ours
-to write. `render(ManifestConfig(...))` returns the objects of one job:
+to write. Two forms of one `ManifestConfig`: a JobSet (`kfit_ps.launch.jobset`,
+`--format jobset`), for clusters with the JobSet controller, and the one this
+module renders (`--format statefulsets`) for clusters without it; both build
+their pods from the same blocks below (`pod_template`). `render(config)` here
+returns the objects of one job:
 
 - workers and ps: one `StatefulSet` per task type (`<name>-worker`,
   `<name>-ps`), which never runs two pods for one task (a TensorFlow task
@@ -97,6 +101,9 @@ class ManifestConfig:
         cpu, memory: resource requests per task type, e.g.
             `{"worker": "2", "ps": "1", "chief": "1"}`; a type not given gets
             `DEFAULT_REQUESTS`.
+        ttl_after_finished: the JobSet form only: seconds after which a finished
+            JobSet is deleted (`ttlSecondsAfterFinished`), or None to keep it.
+            Defaults to None.
     """
 
     name: str
@@ -119,6 +126,7 @@ class ManifestConfig:
         default_factory=lambda: {"app.kubernetes.io/name": "prometheus"})
     cpu: dict = dataclasses.field(default_factory=dict)
     memory: dict = dataclasses.field(default_factory=dict)
+    ttl_after_finished: int = None
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -143,6 +151,8 @@ class ManifestConfig:
                                ("status_port", 1)):
             set_(field, validation.check_int(field, getattr(self, field), minimum,
                                              owner="ManifestConfig"))
+        set_("ttl_after_finished", validation.check_optional_int(
+            "ttl_after_finished", self.ttl_after_finished, 0, owner="ManifestConfig"))
         if self.status_port in (self.port, self.port - 1) or self.status_port > 65534:
             raise ValueError(
                 "ManifestConfig: `status_port` and the next port (the chief's metrics) must "
@@ -170,11 +180,16 @@ class ManifestConfig:
             host = f"{host}.{self.service_name(task_type)}"
         return f"{host}.{self.namespace}.svc:{self.port}"
 
-    def tf_config(self, task_type, index):
-        """`TF_CONFIG` for a task; `index` may be a string spliced in as is (`$(VAR)`)."""
+    def tf_config(self, task_type, index, address=None):
+        """`TF_CONFIG` for a task; `index` may be a string spliced in as is (`$(VAR)`).
+
+        `address(type, index)` names each task (the JobSet form's names); defaults to
+        `self.address`.
+        """
+        address = address or self.address
         cluster = {}
         for kind, i in self.tasks():
-            cluster.setdefault(kind, []).append(self.address(kind, i))
+            cluster.setdefault(kind, []).append(address(kind, i))
         text = json.dumps({"cluster": cluster, "task": {"type": task_type, "index": -1}})
         return text.replace('"index": -1', f'"index": {index}')
 
@@ -192,15 +207,20 @@ MANIFEST_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ManifestConfi
                      if f.default is not dataclasses.MISSING}
 
 
-def _labels(config, task_type=None):
-    labels = {LABEL: config.name, "app.kubernetes.io/managed-by": "kfit-ps"}
+# The building blocks below serve both forms: the StatefulSets here and the JobSet
+# (`kfit_ps.launch.jobset`), so that a pod is the same whichever controller runs it.
+
+
+def labels(config, task_type=None):
+    """The labels of the job's objects (and of a task type's pods, with `task_type`)."""
+    result = {LABEL: config.name, "app.kubernetes.io/managed-by": "kfit-ps"}
     if task_type is not None:
-        labels[TYPE_LABEL] = task_type
-    return labels
+        result[TYPE_LABEL] = task_type
+    return result
 
 
-def _metadata(config, name, labels):
-    return {"name": name, "namespace": config.namespace, "labels": labels}
+def metadata(config, name, object_labels):
+    return {"name": name, "namespace": config.namespace, "labels": object_labels}
 
 
 def _status_flags(config):
@@ -211,6 +231,18 @@ def _status_flags(config):
 def _scrape_annotations(config):
     return {"prometheus.io/scrape": "true", "prometheus.io/port": str(config.status_port),
             "prometheus.io/path": "/metrics"}
+
+
+def launcher_command(config, task_type, index):
+    """`kfit-ps run --tasks <type>:<index> ...` of a pod; the chief's runs the job's command."""
+    command = ["kfit-ps", "run", "--tasks", f"{task_type}:{index}", "--max-restarts",
+               str(config.max_restarts)]
+    if task_type != "chief":
+        return command + _status_flags(config)
+    command += ["--grace", str(config.grace), *_status_flags(config)]
+    if config.backup_dir:
+        command += ["--backup-dir", config.backup_dir, "--save-freq", str(config.save_freq)]
+    return command + ["--", *config.command]
 
 
 def _container(config, task_type, env, command):
@@ -248,11 +280,42 @@ def _pod_spec(config, container, restart_policy):
     return spec
 
 
+def pod_template(config, task_type, restart_policy, index_label=None, address=None):
+    """The pod template of a task type: its command, `TF_CONFIG`, probes and requests.
+
+    With `index_label`, one template serves every task of the type: a pod's index is
+    that label's value on the pod, read into `KFIT_PS_TASK_INDEX` and spliced into its
+    command and `TF_CONFIG` by Kubernetes' `$(VAR)` expansion; without, the task is
+    index 0. `address(type, index)` names the tasks in `TF_CONFIG` (defaults to
+    `config.address`, the StatefulSet form's names).
+    """
+    index = f"$({INDEX_ENV})" if index_label else 0
+    env = [{"name": "TF_CONFIG", "value": config.tf_config(task_type, index, address)}]
+    if index_label:
+        env.insert(0, {"name": INDEX_ENV, "valueFrom": {"fieldRef": {
+            "fieldPath": f"metadata.labels['{index_label}']"}}})
+    command = (config.evaluator_command if task_type == "evaluator"
+               else launcher_command(config, task_type, index))
+    spec = _pod_spec(config, _container(config, task_type, env, command), restart_policy)
+    meta = {"labels": labels(config, task_type)}
+    if task_type != "evaluator":  # A launcher: scraped.
+        meta["annotations"] = _scrape_annotations(config)
+    if task_type == "chief":
+        spec["terminationGracePeriodSeconds"] = config.grace + SHUTDOWN_MARGIN
+    return {"metadata": meta, "spec": spec}
+
+
+def chief_failure_handling():
+    """The chief Job's fields that decide what a failed chief pod means (see the module doc)."""
+    return {"podReplacementPolicy": "Failed",
+            "podFailurePolicy": {"rules": exit_status.pod_failure_rules("chief")}}
+
+
 def _service(config, task_type, index=0):
     return {"apiVersion": "v1", "kind": "Service",
-            "metadata": _metadata(config, config.service_name(task_type, index),
-                                  _labels(config, task_type)),
-            "spec": {"clusterIP": "None", "selector": _labels(config, task_type),
+            "metadata": metadata(config, config.service_name(task_type, index),
+                                 labels(config, task_type)),
+            "spec": {"clusterIP": "None", "selector": labels(config, task_type),
                      "publishNotReadyAddresses": True,
                      "ports": [{"name": "grpc", "port": config.port,
                                 "targetPort": config.port}]}}
@@ -260,53 +323,42 @@ def _service(config, task_type, index=0):
 
 def _servers(config, task_type, replicas):
     """A StatefulSet of one server type: pod `i` is task `<type>:<i>`."""
-    labels = _labels(config, task_type)
-    env = [{"name": INDEX_ENV, "valueFrom": {"fieldRef": {
-               "fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}},
-           {"name": "TF_CONFIG", "value": config.tf_config(task_type, f"$({INDEX_ENV})")}]
-    command = ["kfit-ps", "run", "--tasks", f"{task_type}:$({INDEX_ENV})",
-               "--max-restarts", str(config.max_restarts), *_status_flags(config)]
-    container = _container(config, task_type, env, command)
+    selector = labels(config, task_type)
     return {"apiVersion": "apps/v1", "kind": "StatefulSet",
-            "metadata": _metadata(config, config.service_name(task_type), labels),
+            "metadata": metadata(config, config.service_name(task_type), selector),
             "spec": {"replicas": replicas, "serviceName": config.service_name(task_type),
                      "podManagementPolicy": "Parallel",
-                     "selector": {"matchLabels": labels},
-                     "template": {"metadata": {"labels": labels,
-                                               "annotations": _scrape_annotations(config)},
-                                  "spec": _pod_spec(config, container, "Always")}}}
+                     "selector": {"matchLabels": selector},
+                     "template": pod_template(config, task_type, "Always", POD_INDEX_LABEL)}}
 
 
-def _job(config, task_type, command, chief):
-    labels = _labels(config, task_type)
-    env = [{"name": "TF_CONFIG", "value": config.tf_config(task_type, 0)}]
-    container = _container(config, task_type, env, command)
-    pod = _pod_spec(config, container, "Never" if chief else "OnFailure")
-    metadata = {"labels": labels}
-    if chief:
-        metadata["annotations"] = _scrape_annotations(config)
+def _job(config, task_type):
+    chief = task_type == "chief"
     spec = {"backoffLimit": config.backoff_limit,
-            "template": {"metadata": metadata, "spec": pod}}
+            "template": pod_template(config, task_type, "Never" if chief else "OnFailure")}
     if chief:
-        pod["terminationGracePeriodSeconds"] = config.grace + SHUTDOWN_MARGIN
-        spec["podReplacementPolicy"] = "Failed"
-        spec["podFailurePolicy"] = {"rules": exit_status.pod_failure_rules(task_type)}
+        spec.update(chief_failure_handling())
     return {"apiVersion": "batch/v1", "kind": "Job",
-            "metadata": _metadata(config, config.service_name(task_type, 0), labels),
+            "metadata": metadata(config, config.service_name(task_type, 0),
+                                 labels(config, task_type)),
             "spec": spec}
 
 
-def _disruption_budget(config, task_type):
-    labels = _labels(config, task_type)
+def disruption_budget(config, task_type, budget):
+    """A PodDisruptionBudget of a server type's pods; `budget`: `{"maxUnavailable": 1}`, or
+    `{"minAvailable": n}` for pods of a controller without a scale subresource (a Job)."""
+    selector = labels(config, task_type)
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-            "metadata": _metadata(config, config.service_name(task_type), labels),
-            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": labels}}}
+            "metadata": metadata(config, config.service_name(task_type), selector),
+            "spec": dict(budget, selector={"matchLabels": selector})}
 
 
-def _network_policy(config):
+def network_policy(config):
+    """Ingress to the job's pods: the server port from the job's pods, the status port from
+    them and the scraper."""
     job_pods = {"matchLabels": {LABEL: config.name}}
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-            "metadata": _metadata(config, f"{config.name}-servers", _labels(config)),
+            "metadata": metadata(config, f"{config.name}-servers", labels(config)),
             "spec": {"podSelector": job_pods, "policyTypes": ["Ingress"],
                      "ingress": [{"from": [{"podSelector": job_pods}],
                                   "ports": [{"protocol": "TCP", "port": config.port}]},
@@ -325,15 +377,11 @@ def render(config):
     if config.evaluator_command:
         objects.append(_service(config, "evaluator"))
     objects += [_servers(config, t, counts[t]) for t in SERVER_TYPES]
-    chief = ["kfit-ps", "run", "--tasks", "chief:0", "--max-restarts", str(config.max_restarts),
-             "--grace", str(config.grace), *_status_flags(config)]
-    if config.backup_dir:
-        chief += ["--backup-dir", config.backup_dir, "--save-freq", str(config.save_freq)]
-    objects.append(_job(config, "chief", chief + ["--", *config.command], chief=True))
+    objects.append(_job(config, "chief"))
     if config.evaluator_command:
-        objects.append(_job(config, "evaluator", config.evaluator_command, chief=False))
-    objects += [_disruption_budget(config, t) for t in SERVER_TYPES]
-    objects.append(_network_policy(config))
+        objects.append(_job(config, "evaluator"))
+    objects += [disruption_budget(config, t, {"maxUnavailable": 1}) for t in SERVER_TYPES]
+    objects.append(network_policy(config))
     return objects
 
 
