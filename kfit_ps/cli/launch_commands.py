@@ -147,16 +147,24 @@ def _resources(parser, flag, text):
 def cmd_manifests(args, parser):
     import shlex
 
-    from kfit_ps.launch import jobset, manifests
+    from kfit_ps.launch import jobset, manifests, trainer_runtime
 
-    formats = {"statefulsets": manifests.render, "jobset": jobset.render}  # `--format`
+    formats = {"statefulsets": manifests.render, "jobset": jobset.render,  # `--format`
+               "trainer-runtime": lambda config: trainer_runtime.render(config, args.train_job)}
     if args.format not in formats:
         flag_error(parser, "--format", args.format,
-                   "must be 'jobset' (a JobSet: needs the JobSet controller, v0.12 or later) or "
-                   "'statefulsets' (StatefulSets and Jobs: any cluster).")
-    if args.ttl_after_finished is not None and args.format != "jobset":
+                   "must be 'jobset' (a JobSet: needs the JobSet controller, v0.12 or later), "
+                   "'trainer-runtime' (a Kubeflow Trainer v2 ClusterTrainingRuntime and a "
+                   "TrainJob on it, written against Trainer v2.3.0) or 'statefulsets' "
+                   "(StatefulSets and Jobs: any cluster).")
+    if args.ttl_after_finished is not None and args.format == "statefulsets":
         flag_error(parser, "--ttl-after-finished", args.ttl_after_finished,
-                   "deletes a finished JobSet: pass it with --format jobset, or drop it.")
+                   "deletes a finished JobSet: pass it with --format jobset or trainer-runtime, "
+                   "or drop it.")
+    if args.train_job is not None and args.format != "trainer-runtime":
+        flag_error(parser, "--train-job", args.train_job,
+                   "names the TrainJob of a Kubeflow Trainer runtime: pass it with --format "
+                   "trainer-runtime, or drop it (--name names the job).")
     try:
         config = manifests.ManifestConfig(
             name=args.name, image=args.image, command=_chief_command(args),
@@ -168,9 +176,12 @@ def cmd_manifests(args, parser):
             cpu=_resources(parser, "--cpu", args.cpu),
             memory=_resources(parser, "--memory", args.memory),
             ttl_after_finished=args.ttl_after_finished)
+        objects = formats[args.format](config)
     except ValueError as e:
         parser.error(str(e))
-    sys.stdout.write(manifests.to_yaml(formats[args.format](config)))
+    # The runtime's documents each under a comment on who applies it and what it fixes.
+    write = trainer_runtime.to_yaml if args.format == "trainer-runtime" else manifests.to_yaml
+    sys.stdout.write(write(objects))
     return 0
 
 
@@ -284,17 +295,26 @@ def add_parsers(sub):
 
     manifests = sub.add_parser(
         "manifests", help="print the Kubernetes manifests of a job (YAML)",
-        description="Renders a JobSet (--format jobset) or Services, StatefulSets (workers, "
-                    "ps) and Jobs (chief, evaluator) (--format statefulsets), with "
-                    "PodDisruptionBudgets and a NetworkPolicy; apply with `kubectl apply -f -`.")
+        description="Renders a JobSet (--format jobset), a Kubeflow Trainer v2 "
+                    "ClusterTrainingRuntime and a TrainJob on it (--format trainer-runtime), or "
+                    "Services, StatefulSets (workers, ps) and Jobs (chief, evaluator) (--format "
+                    "statefulsets), with PodDisruptionBudgets and a NetworkPolicy; apply with "
+                    "`kubectl apply -f -`.")
     manifests.add_argument("--format", default="statefulsets",
                            help="'jobset': one JobSet (needs the JobSet controller, v0.12 or "
-                                "later); 'statefulsets': StatefulSets and Jobs, for any "
+                                "later); 'trainer-runtime': a ClusterTrainingRuntime named "
+                                "--name and a TrainJob on it (Kubeflow Trainer v2: written "
+                                "against v2.3.0); 'statefulsets': StatefulSets and Jobs, for any "
                                 "cluster (default statefulsets)")
     manifests.add_argument("--ttl-after-finished", type=int, default=None,
-                           help="with --format jobset: seconds after which a finished JobSet "
-                                "is deleted (default: kept)")
-    manifests.add_argument("--name", required=True, help="the job's name (a DNS label)")
+                           help="with --format jobset or trainer-runtime: seconds after which "
+                                "a finished JobSet is deleted (default: kept)")
+    manifests.add_argument("--train-job", default=None,
+                           help="with --format trainer-runtime: the example TrainJob's name "
+                                "(default: --name)")
+    manifests.add_argument("--name", required=True,
+                           help="the job's name (a DNS label); with --format trainer-runtime "
+                                "the runtime's")
     manifests.add_argument("--image", required=True, help="container image")
     manifests.add_argument("--workers", type=int, default=_manifest_default("num_workers"))
     manifests.add_argument("--ps", type=int, default=_manifest_default("num_ps"))
