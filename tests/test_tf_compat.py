@@ -718,8 +718,8 @@ def test_a_copy_of_a_new_kind_never_runs_beside_another_copy(strategy, monkeypat
     wrapped = coordinator_values.RemoteValueImpl._copy_to_local
     assert hasattr(wrapped, "_kfit_ps_stock")  # installed by the strategy, once
     assert not hasattr(wrapped._kfit_ps_stock, "_kfit_ps_stock")
-    for name in ("set_server_def", "update_server_def"):
-        assert hasattr(getattr(context.Context, name), "_kfit_ps_stock")
+    for name in result_copies._GENERATION_ENDS:
+        assert hasattr(getattr(context.Context, name), "_kfit_ps_stock"), name
     intervals, lock = [], threading.Lock()
 
     def probed(self):  # TensorFlow's copy, timed, under the gate as installed
@@ -733,7 +733,7 @@ def test_a_copy_of_a_new_kind_never_runs_beside_another_copy(strategy, monkeypat
 
     monkeypatch.setattr(coordinator_values.RemoteValueImpl, "_copy_to_local",
                         result_copies._safe_copy(probed))
-    result_copies._gate.reset()  # as after a cluster change: every kind is new
+    context.context().clear_kernel_cache()  # TensorFlow instantiates every part again
     dtypes = [tf.float16, tf.float32, tf.float64, tf.int16, tf.int32, tf.int64, tf.uint8,
               tf.bool, tf.complex64]
     functions = [tf.function(lambda i, dt=dt: tf.cast(i, dt)) for dt in dtypes]
@@ -759,30 +759,78 @@ def test_a_copy_of_a_new_kind_never_runs_beside_another_copy(strategy, monkeypat
     assert overlapping > 0  # known kinds are not serialized
     assert [r.fetch().dtype for r in results[:len(dtypes) * 3:3]] == [
         dt.as_numpy_dtype for dt in dtypes]
+    with strategy.scope():
+        counter = keras.Variable(7, dtype="int64", name="counter")
+    assert "/job:ps/" in counter.value.device
+    assert int(_tf_compat.read_where_it_lives(counter)) == 7 == int(counter.numpy())
 
 
-def test_the_result_copy_gate_waits_a_bounded_time_and_admits_a_thread_inside_it():
-    """A copy stuck on a stopped worker holds the gate: a new kind waits for it at most the
-    gate's bound, then copies beside it (as TensorFlow alone would), never for good; a
-    thread already inside passes again without waiting."""
+def test_the_result_copy_gate_decides_after_waiting_and_keeps_copies_flowing_in_a_change():
+    """A copy that found its kind known, then waited behind a change that made kinds new,
+    runs alone; while a change runs (TensorFlow's recovery waits for its worker), copies go
+    on one at a time instead of waiting for it; a copy stuck on a stopped worker delays a
+    new kind by the bound at most, then it runs beside it; a thread inside passes again."""
     import threading
 
     from kfit_ps._tf_compat.result_copies import _Gate
 
     gate = _Gate(wait=0.3)
-    inside, release = threading.Event(), threading.Event()
-
-    def stuck():
-        with gate.passage("known"):
-            inside.set()
-            release.wait(10)
-
     with gate.passage("known"):
-        with gate.passage(None):  # re-entry: no wait on itself
+        with gate.passage("other"):  # re-entry: no wait on itself
             pass
-    thread = threading.Thread(target=stuck)
-    thread.start()
-    assert inside.wait(10)
+    log, lock = [], threading.Lock()
+
+    def copy(key, hold=0.05):
+        with gate.passage(key):
+            with lock:
+                log.append(("in", key, gate._exclusive))
+            time.sleep(hold)
+            with lock:
+                log.append(("out", key, None))
+
+    with gate.new_generation():  # a change in progress: "known" is new now
+        threads = [threading.Thread(target=copy, args=("known",)) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+    assert [entry[2] for entry in log if entry[0] == "in"] == [True] * 3  # each alone
+    assert all(log[i][0] == "in" and log[i + 1][0] == "out" for i in range(0, 6, 2))
+    log.clear()
+    copy("known")  # a new generation: known again once copied
+    threads = [threading.Thread(target=copy, args=("known", 0.2)) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert [entry[0] for entry in log[2:]][:3] == ["in"] * 3  # known: side by side
+
+    def holding(key):
+        """A thread inside the gate as a copy of `key` until the returned event is set."""
+        inside, release = threading.Event(), threading.Event()
+
+        def hold():
+            with gate.passage(key):
+                inside.set()
+                release.wait(10)
+
+        thread = threading.Thread(target=hold)
+        thread.start()
+        assert inside.wait(10)
+        return thread, release
+
+    holder, release = holding("fresh")
+    waiter = threading.Thread(target=copy, args=("known",))
+    waiter.start()  # known: waits behind the new kind as a reader
+    time.sleep(0.05)
+    with gate.new_generation():  # meanwhile its kind became new: it must run alone
+        release.set()
+        waiter.join(10)
+    holder.join(10)
+    assert log[-2] == ("in", "known", True)
+
+    copy("known")
+    thread, release = holding("known")  # a copy stuck on a stopped worker
     start = time.monotonic()
     with gate.passage("new"):
         waited = time.monotonic() - start
@@ -790,6 +838,6 @@ def test_the_result_copy_gate_waits_a_bounded_time_and_admits_a_thread_inside_it
     release.set()
     thread.join(10)
     start = time.monotonic()
-    with gate.passage("new"):  # seen now, and nobody inside: no wait
+    with gate.passage("new"):  # nobody inside: no wait
         pass
     assert time.monotonic() - start < 0.2

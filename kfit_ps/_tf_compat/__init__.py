@@ -30,7 +30,7 @@ from kfit_ps._tf_compat.keras_variables import (
 )
 from kfit_ps._tf_compat.batch_norm import install_exact_batch_norm
 from kfit_ps._tf_compat.executors import install_quiet_executor_teardown
-from kfit_ps._tf_compat.result_copies import install_safe_result_copies
+from kfit_ps._tf_compat.result_copies import install_safe_result_copies, read_where_it_lives
 from kfit_ps._tf_compat.seed_generator import install_exact_seed_generator
 from kfit_ps._tf_compat.metric_scope import LocalStateScope
 from kfit_ps._tf_compat.pinned_variables import pinned_variable
@@ -117,6 +117,7 @@ __all__ = [
     "install_exact_seed_generator",
     "install_quiet_executor_teardown",
     "install_safe_result_copies",
+    "read_where_it_lives",
     "install_dispatch",
     "install_load_weights_hook",
     "is_kfit_variable",

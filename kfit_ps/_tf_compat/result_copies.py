@@ -16,17 +16,26 @@ fails with "Unable to parse request" on `__wrapped__Identity_device_/job:chief/.
 or the chief crashes (SIGSEGV in that `identity`). Seen in a job's first steps and
 after a worker restart, when copies of new kinds (a dtype from a worker the chief has
 not copied it from yet) instantiate while other threads copy; more often on a loaded
-host, where a thread is preempted inside `Run`. `tests/test_tf_compat.py` reproduces
-it with TensorFlow alone.
+host, where a thread is preempted inside `Run`. Reproduced with TensorFlow alone
+(threads copying worker tensors to the chief while new remote parts instantiate).
 
 `install_safe_result_copies()` wraps `_copy_to_local` with a gate: a copy whose kind
-(each tensor's device, dtype and shape) was copied before since the eager cluster last
-changed runs beside others (shared); a copy of a new kind, which may instantiate, runs
-alone (exclusive), after the copies in flight and before any other starts. A change of
-the eager cluster (`Context.set_server_def` / `update_server_def`, TensorFlow's
-recovery of a worker included) runs alone too and makes every kind new again. Each wait
-is bounded (`_WAIT_SECONDS`): a copy stuck on a stopped worker delays the others by at
-most that, never for good (then the waiter goes on, as TensorFlow alone would).
+(each tensor's device and dtype: what the copy instantiates for) was copied before in
+this generation runs beside others (shared); a copy of a new kind, which may
+instantiate, runs alone (exclusive), after the copies in flight and before any other
+starts. The decision is taken once the copy may enter, so a change that makes kinds
+new while it waits is seen. A generation ends where TensorFlow drops what it
+instantiated: a change of the eager cluster (`Context.set_server_def` /
+`update_server_def`, TensorFlow's recovery of a worker included) and a clear of its
+kernel cache (`clear_kernel_cache`, a global seed set); while a cluster change runs
+(a recovery waits for its worker), every copy counts as new: copies go on, one at a
+time. Each wait is bounded (`_WAIT_SECONDS`): behind a copy stuck on a stopped worker a
+copy waits that long, then runs beside it (as with TensorFlow alone), with a warning.
+
+The chief's own reads of ps variables go through the same parts (a Keras variable's
+`numpy()` reads it on the chief); `read_where_it_lives` reads on the variable's task
+instead, which instantiates nothing on the chief: the progress bar polls with it while
+functions run. A user's callback that reads ps variables during `fit` is not gated.
 """
 
 import contextlib
@@ -38,7 +47,8 @@ import time
 from tensorflow.python.distribute import input_lib
 from tensorflow.python.distribute.coordinator import values as coordinator_values
 from tensorflow.python.eager import context
-from tensorflow.python.framework import composite_tensor
+from tensorflow.python.framework import composite_tensor, ops
+from tensorflow.python.ops import array_ops
 from tensorflow.python.util import nest
 
 from kfit_ps._tf_compat.versions import check_versions
@@ -50,8 +60,8 @@ _install_lock = threading.Lock()
 
 
 class _Gate:
-    """A readers-writer gate that prefers writers, with bounded waits and per-thread
-    re-entry (a thread inside the gate passes again without waiting)."""
+    """A readers-writer gate for copies: known kinds shared, new kinds exclusive, writers
+    first; bounded waits; a thread inside the gate passes again without waiting."""
 
     def __init__(self, wait=_WAIT_SECONDS):
         self.wait = wait
@@ -60,30 +70,46 @@ class _Gate:
         self._exclusive = False
         self._writers_waiting = 0
         self._seen = set()
+        self._generation = 0
+        self._changing = 0
+        self._warned = False
         self._inside = threading.local()
 
-    def _enter(self, exclusive):
+    def _enter(self, key):
+        """Waits until a copy of `key` may run; returns `(exclusive, generation)`, the
+        generation None when the bound passed (the copy then runs shared)."""
         deadline = time.monotonic() + self.wait
+        writer = False
         with self._cond:
-            if exclusive:
-                self._writers_waiting += 1
-                try:
-                    free = self._cond.wait_for(
-                        lambda: not self._exclusive and not self._shared,
-                        max(0.0, deadline - time.monotonic()))
-                finally:
+            try:
+                while True:
+                    new = self._changing > 0 or key not in self._seen
+                    if new != writer:
+                        self._writers_waiting += 1 if new else -1
+                        writer = new
+                    if not self._exclusive and not (self._shared if new
+                                                    else self._writers_waiting):
+                        if new:
+                            self._exclusive = True
+                        else:
+                            self._shared += 1
+                        return new, self._generation
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        self._shared += 1
+                        self._warn()
+                        return False, None
+                    self._cond.wait(left)
+            finally:
+                if writer:
                     self._writers_waiting -= 1
-                if free:
-                    self._exclusive = True
-                else:
-                    log.debug("kfit_ps: a copy in flight did not end within %.0f s; copying "
-                              "beside it", self.wait)
-                    self._shared += 1
-                return free
-            self._cond.wait_for(lambda: not self._exclusive and not self._writers_waiting,
-                                max(0.0, deadline - time.monotonic()))
-            self._shared += 1
-            return False
+
+    def _warn(self):
+        if not self._warned:
+            self._warned = True
+            log.warning("kfit_ps: a copy of a result to the chief waited %.0f s for another "
+                        "copy (a worker that stopped answering?); it runs beside it (said once)",
+                        self.wait)
 
     def _leave(self, exclusive):
         with self._cond:
@@ -94,9 +120,9 @@ class _Gate:
             self._cond.notify_all()
 
     @contextlib.contextmanager
-    def passage(self, key=None):
-        """Shared for a `key` seen since the last `reset`, exclusive for a new one (or for
-        `key=None`, a cluster change); `key` is seen once its block ran without error."""
+    def passage(self, key):
+        """Runs its block as a copy of kind `key`; `key` is known from then on in this
+        generation, once the block ran without error."""
         if getattr(self._inside, "depth", 0):
             self._inside.depth += 1
             try:
@@ -104,38 +130,44 @@ class _Gate:
             finally:
                 self._inside.depth -= 1
             return
-        with self._cond:
-            exclusive = key is None or key not in self._seen
-        exclusive = self._enter(exclusive)
+        exclusive, generation = self._enter(key)
         self._inside.depth = 1
         try:
             yield
-            if key is not None:
-                with self._cond:
+            with self._cond:
+                if generation == self._generation and not self._changing:
                     self._seen.add(key)
         finally:
             self._inside.depth = 0
             self._leave(exclusive)
 
-    def reset(self):
+    @contextlib.contextmanager
+    def new_generation(self):
+        """Around what drops TensorFlow's instantiated parts: every kind is new during it
+        and after it."""
         with self._cond:
+            self._changing += 1
+            self._generation += 1
             self._seen.clear()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._changing -= 1
+                self._generation += 1
+                self._seen.clear()
+                self._cond.notify_all()
 
 
 _gate = _Gate()
 
 
 def _tensor_kind(tensor):
-    try:
-        shape = tensor.shape
-        dims = None if shape.rank is None else tuple(shape.as_list())
-    except (AttributeError, ValueError, RuntimeError):
-        dims = None
-    return (tensor.device, str(tensor.dtype), dims)
+    return tensor.device, str(tensor.dtype)  # (a new shape instantiates nothing)
 
 
 def _kind(remote_value):
-    """The device, dtype and shape of each tensor a remote value holds (what its copy
+    """The device and dtype of each tensor a remote value holds (what its copy
     instantiates for), or None when it holds none: what `_copy_to_local` copies, an
     iterator left out as TensorFlow leaves it, a composite tensor by its components."""
     found = []
@@ -164,17 +196,19 @@ def _safe_copy(stock):
     return _copy_to_local
 
 
-def _cluster_change(stock):
+def _new_generation(stock):
     @functools.wraps(stock)
-    def change(self, *args, **kwargs):
-        with _gate.passage(None):
-            try:
-                return stock(self, *args, **kwargs)
-            finally:
-                _gate.reset()
+    def drop(self, *args, **kwargs):
+        with _gate.new_generation():
+            return stock(self, *args, **kwargs)
 
-    change._kfit_ps_stock = stock
-    return change
+    drop._kfit_ps_stock = stock
+    return drop
+
+
+# What makes TensorFlow instantiate every part again: a new cluster, a cleared kernel cache.
+_GENERATION_ENDS = ("set_server_def", "update_server_def", "clear_kernel_cache",
+                    "_set_global_seed")
 
 
 def install_safe_result_copies():
@@ -185,5 +219,14 @@ def install_safe_result_copies():
             return
         check_versions()
         impl._copy_to_local = _safe_copy(impl._copy_to_local)
-        for name in ("set_server_def", "update_server_def"):
-            setattr(context.Context, name, _cluster_change(getattr(context.Context, name)))
+        for name in _GENERATION_ENDS:
+            setattr(context.Context, name, _new_generation(getattr(context.Context, name)))
+
+
+def read_where_it_lives(variable):
+    """The value of `variable` (a Keras or TensorFlow variable) as a NumPy value, read on
+    the task that holds it: nothing instantiates on the chief (`variable.numpy()` reads on
+    the chief, through the parts the gate orders)."""
+    value = getattr(variable, "value", variable)
+    with ops.device(value.device):
+        return array_ops.identity(value).numpy()

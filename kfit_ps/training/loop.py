@@ -254,9 +254,10 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
             callbacks.on_epoch_begin(epoch)
             counter = None
             if progress.verbose == 1 and iterations is not None:
-                start = dispatcher.guarded(lambda: int(iterations.numpy())) - first  # Before
-                # dispatch: no step missed.
-                counter = lambda start=start: int(iterations.numpy()) - start  # noqa: E731
+                # Read on its ps: a read on the chief instantiates beside result copies.
+                read = lambda: int(_tf_compat.read_where_it_lives(iterations))  # noqa: E731
+                start = dispatcher.guarded(read) - first  # Before dispatch: no step missed.
+                counter = lambda start=start: read() - start  # noqa: E731
             progress.epoch_begin(epoch, counter)
             if shipped is not None:
                 args = shipped.args
