@@ -1,10 +1,11 @@
 """Kubernetes manifests of a parameter-server job (`kfit-ps manifests`).
 
 Kubeflow's Trainer v2 no longer runs TensorFlow jobs, so `TF_CONFIG` is ours
-to write. Two forms of one `ManifestConfig`: a JobSet (`kfit_ps.launch.jobset`,
-`--format jobset`), for clusters with the JobSet controller, and the one this
-module renders (`--format statefulsets`) for clusters without it; both build
-their pods from the same blocks below (`pod_template`). `render(config)` here
+to write. Three forms of one `ManifestConfig`: a JobSet (`kfit_ps.launch.jobset`,
+`--format jobset`), for clusters with the JobSet controller; a Kubeflow Trainer v2
+runtime built on it (`kfit_ps.launch.trainer_runtime`, `--format trainer-runtime`);
+and the one this module renders (`--format statefulsets`) for clusters without
+JobSet. All build their pods from the same blocks below (`pod_template`). `render(config)` here
 returns the objects of one job:
 
 - workers and ps: one `StatefulSet` per task type (`<name>-worker`,
@@ -101,8 +102,8 @@ class ManifestConfig:
         cpu, memory: resource requests per task type, e.g.
             `{"worker": "2", "ps": "1", "chief": "1"}`; a type not given gets
             `DEFAULT_REQUESTS`.
-        ttl_after_finished: the JobSet form only: seconds after which a finished
-            JobSet is deleted (`ttlSecondsAfterFinished`), or None to keep it.
+        ttl_after_finished: the JobSet and Trainer-runtime forms only: seconds after
+            which a finished JobSet is deleted (`ttlSecondsAfterFinished`), or None to keep it.
             Defaults to None.
     """
 
