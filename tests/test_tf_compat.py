@@ -767,14 +767,15 @@ def test_a_copy_of_a_new_kind_never_runs_beside_another_copy(strategy, monkeypat
 
 def test_the_result_copy_gate_decides_after_waiting_and_keeps_copies_flowing_in_a_change():
     """A copy that found its kind known, then waited behind a change that made kinds new,
-    runs alone; while a change runs (TensorFlow's recovery waits for its worker), copies go
-    on one at a time instead of waiting for it; a copy stuck on a stopped worker delays a
-    new kind by the bound at most, then it runs beside it; a thread inside passes again."""
+    runs alone; a change starts once the copies inside have left; while it runs
+    (TensorFlow's recovery waits for its worker), copies go on one at a time instead of
+    waiting for it; a copy stuck on a stopped worker holds the others back for `stuck`
+    seconds once, then they go on beside it; a thread inside passes again."""
     import threading
 
     from kfit_ps._tf_compat.result_copies import _Gate
 
-    gate = _Gate(wait=0.3)
+    gate = _Gate(stuck=0.3)
     with gate.passage("known"):
         with gate.passage("other"):  # re-entry: no wait on itself
             pass
@@ -783,7 +784,7 @@ def test_the_result_copy_gate_decides_after_waiting_and_keeps_copies_flowing_in_
     def copy(key, hold=0.05):
         with gate.passage(key):
             with lock:
-                log.append(("in", key, gate._exclusive))
+                log.append(("in", key, any(h.exclusive for h in gate._holders)))
             time.sleep(hold)
             with lock:
                 log.append(("out", key, None))
@@ -830,11 +831,34 @@ def test_the_result_copy_gate_decides_after_waiting_and_keeps_copies_flowing_in_
     assert log[-2] == ("in", "known", True)
 
     copy("known")
+    thread, release = holding("known")  # admitted as known; then a change begins
+    changed = []
+
+    def change():
+        with gate.new_generation():
+            changed.append(time.monotonic())
+
+    changer = threading.Thread(target=change)
+    start = time.monotonic()
+    changer.start()
+    time.sleep(0.1)
+    assert not changed  # it waits for the copy inside
+    release.set()
+    changer.join(10)
+    thread.join(10)
+    assert changed and changed[0] - start < 0.3
+
+    copy("known")
     thread, release = holding("known")  # a copy stuck on a stopped worker
     start = time.monotonic()
     with gate.passage("new"):
         waited = time.monotonic() - start
     assert 0.25 < waited < 5
+    start = time.monotonic()
+    for key in ("newer", "known", "newest"):  # said stuck: the others go on without waiting
+        with gate.passage(key):
+            pass
+    assert time.monotonic() - start < 0.2
     release.set()
     thread.join(10)
     start = time.monotonic()

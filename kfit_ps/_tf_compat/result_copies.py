@@ -29,8 +29,11 @@ instantiated: a change of the eager cluster (`Context.set_server_def` /
 `update_server_def`, TensorFlow's recovery of a worker included) and a clear of its
 kernel cache (`clear_kernel_cache`, a global seed set); while a cluster change runs
 (a recovery waits for its worker), every copy counts as new: copies go on, one at a
-time. Each wait is bounded (`_WAIT_SECONDS`): behind a copy stuck on a stopped worker a
-copy waits that long, then runs beside it (as with TensorFlow alone), with a warning.
+time. A change starts only once the copies inside have left, so a copy admitted as
+known never instantiates beside another. Copies enter in the order they came. A copy
+inside for `_STUCK_SECONDS` (a worker that stopped answering: TensorFlow's copy has no
+deadline) no longer holds the others back: they go on as if it had left (as with
+TensorFlow alone), and a warning names its worker.
 
 The chief's own reads of ps variables go through the same parts (a Keras variable's
 `numpy()` reads it on the chief); `read_where_it_lives` reads on the variable's task
@@ -44,6 +47,8 @@ import logging
 import threading
 import time
 
+import keras
+
 from tensorflow.python.distribute import input_lib
 from tensorflow.python.distribute.coordinator import values as coordinator_values
 from tensorflow.python.eager import context
@@ -51,72 +56,115 @@ from tensorflow.python.framework import composite_tensor, ops
 from tensorflow.python.ops import array_ops
 from tensorflow.python.util import nest
 
+from kfit_ps._tf_compat.keras_variables import storage
 from kfit_ps._tf_compat.versions import check_versions
 
 log = logging.getLogger("kfit_ps.cluster")
 
-_WAIT_SECONDS = 30.0
+_STUCK_SECONDS = 10.0
 _install_lock = threading.Lock()
 
 
-class _Gate:
-    """A readers-writer gate for copies: known kinds shared, new kinds exclusive, writers
-    first; bounded waits; a thread inside the gate passes again without waiting."""
+class _Holder:
+    """A copy inside the gate: alone or not, since when, of what kind, and whether it was
+    said to be stuck."""
 
-    def __init__(self, wait=_WAIT_SECONDS):
-        self.wait = wait
+    __slots__ = ("exclusive", "since", "key", "said")
+
+    def __init__(self, exclusive, key):
+        self.exclusive, self.since, self.key, self.said = exclusive, time.monotonic(), key, False
+
+
+class _Gate:
+    """A readers-writer gate for copies: known kinds shared, new kinds exclusive, in the
+    order they came (a writer waits for the copies before it, not after); a thread inside
+    the gate passes again without waiting.
+
+    A copy inside for `stuck` seconds (a worker that stopped answering: TensorFlow's copy
+    has no deadline) no longer holds the others back: they enter as if it had left, and a
+    warning names its device once per such copy.
+    """
+
+    def __init__(self, stuck=_STUCK_SECONDS):
+        self.stuck = stuck
         self._cond = threading.Condition()
-        self._shared = 0
-        self._exclusive = False
-        self._writers_waiting = 0
+        self._holders = set()
+        self._writers = []  # tickets of the copies of new kinds waiting, in order
+        self._tickets = 0
         self._seen = set()
         self._generation = 0
         self._changing = 0
-        self._warned = False
         self._inside = threading.local()
 
+    def _active(self, now):
+        """The holders not stuck, and those newly found stuck (to be said)."""
+        active, stuck = [], []
+        for holder in self._holders:
+            if now - holder.since < self.stuck:
+                active.append(holder)
+            elif not holder.said:
+                holder.said = True
+                stuck.append(holder)
+        return active, stuck
+
+    def _wait_time(self, active, now):
+        """How long until something can change without a notify: an active holder turning
+        stuck."""
+        if not active:
+            return None
+        return max(0.001, min(holder.since + self.stuck - now for holder in active))
+
     def _enter(self, key):
-        """Waits until a copy of `key` may run; returns `(exclusive, generation)`, the
-        generation None when the bound passed (the copy then runs shared)."""
-        deadline = time.monotonic() + self.wait
+        """Waits until a copy of `key` may run; returns its `_Holder` and the generation."""
+        stuck = []
+        try:
+            with self._cond:
+                return self._admit(key, stuck)
+        finally:
+            for holder in stuck:  # (after the lock: logging may block)
+                self._say_stuck(holder)
+
+    def _admit(self, key, stuck):
+        ticket, self._tickets = self._tickets, self._tickets + 1
         writer = False
-        with self._cond:
-            try:
-                while True:
-                    new = self._changing > 0 or key not in self._seen
-                    if new != writer:
-                        self._writers_waiting += 1 if new else -1
-                        writer = new
-                    if not self._exclusive and not (self._shared if new
-                                                    else self._writers_waiting):
-                        if new:
-                            self._exclusive = True
-                        else:
-                            self._shared += 1
-                        return new, self._generation
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        self._shared += 1
-                        self._warn()
-                        return False, None
-                    self._cond.wait(left)
-            finally:
-                if writer:
-                    self._writers_waiting -= 1
+        try:
+            while True:
+                now = time.monotonic()
+                active, found = self._active(now)
+                stuck += found
+                new = self._changing > 0 or key not in self._seen
+                if new != writer:
+                    if new:
+                        self._writers.append(ticket)
+                    else:  # Another thread copied this kind meanwhile.
+                        self._writers.remove(ticket)
+                        self._cond.notify_all()
+                    writer = new
+                first_writer = min(self._writers, default=None)
+                if new:
+                    free = not active and first_writer == ticket
+                else:
+                    free = (not any(holder.exclusive for holder in active)
+                            and (first_writer is None or first_writer > ticket))
+                if free:
+                    holder = _Holder(new, key)
+                    self._holders.add(holder)
+                    return holder, self._generation
+                self._cond.wait(self._wait_time(active, now))
+        finally:
+            if writer:
+                self._writers.remove(ticket)
+                self._cond.notify_all()
 
-    def _warn(self):
-        if not self._warned:
-            self._warned = True
-            log.warning("kfit_ps: a copy of a result to the chief waited %.0f s for another "
-                        "copy (a worker that stopped answering?); it runs beside it (said once)",
-                        self.wait)
+    def _say_stuck(self, holder):
+        devices = sorted({part[0] for part in holder.key or () if isinstance(part, tuple)})
+        log.warning("kfit_ps: a copy of a result to the chief from %s has run for %.0f s (a "
+                    "worker that stopped answering?); the other copies go on beside it",
+                    ", ".join(devices) or "a worker", self.stuck)
 
-    def _leave(self, exclusive):
+    def _leave(self, holder):
         with self._cond:
-            if exclusive:
-                self._exclusive = False
-            else:
-                self._shared -= 1
+            self._holders.discard(holder)
             self._cond.notify_all()
 
     @contextlib.contextmanager
@@ -130,25 +178,34 @@ class _Gate:
             finally:
                 self._inside.depth -= 1
             return
-        exclusive, generation = self._enter(key)
-        self._inside.depth = 1
+        holder = None
         try:
+            holder, generation = self._enter(key)
+            self._inside.depth = 1
             yield
             with self._cond:
                 if generation == self._generation and not self._changing:
                     self._seen.add(key)
         finally:
             self._inside.depth = 0
-            self._leave(exclusive)
+            if holder is not None:
+                self._leave(holder)
 
     @contextlib.contextmanager
     def new_generation(self):
         """Around what drops TensorFlow's instantiated parts: every kind is new during it
-        and after it."""
+        and after it. It starts once the copies inside have left (or are stuck): a copy
+        admitted as known must not instantiate beside others."""
         with self._cond:
             self._changing += 1
             self._generation += 1
             self._seen.clear()
+            while True:
+                now = time.monotonic()
+                active = [h for h in self._holders if now - h.since < self.stuck]
+                if not active:
+                    break
+                self._cond.wait(self._wait_time(active, now))
         try:
             yield
         finally:
@@ -224,9 +281,13 @@ def install_safe_result_copies():
 
 
 def read_where_it_lives(variable):
-    """The value of `variable` (a Keras or TensorFlow variable) as a NumPy value, read on
-    the task that holds it: nothing instantiates on the chief (`variable.numpy()` reads on
-    the chief, through the parts the gate orders)."""
-    value = getattr(variable, "value", variable)
-    with ops.device(value.device):
-        return array_ops.identity(value).numpy()
+    """The value of `variable` (a Keras variable, or a TensorFlow one, held by one task) as
+    a NumPy value, read on that task: nothing instantiates on the chief
+    (`variable.numpy()` reads on the chief, through the parts the gate orders)."""
+    held = storage(variable) if isinstance(variable, keras.Variable) else variable
+    device = getattr(held, "device", None)
+    if not isinstance(device, str) or not device:
+        raise TypeError(f"read_where_it_lives: {variable!r} is not held by one task "
+                        "(a sharded variable?); read it with `.numpy()`")
+    with ops.device(device):
+        return array_ops.identity(held).numpy()
