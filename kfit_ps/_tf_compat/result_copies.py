@@ -97,15 +97,8 @@ class _Gate:
         self._inside = threading.local()
 
     def _active(self, now):
-        """The holders not stuck, and those newly found stuck (to be said)."""
-        active, stuck = [], []
-        for holder in self._holders:
-            if now - holder.since < self.stuck:
-                active.append(holder)
-            elif not holder.said:
-                holder.said = True
-                stuck.append(holder)
-        return active, stuck
+        """The holders not stuck."""
+        return [holder for holder in self._holders if now - holder.since < self.stuck]
 
     def _wait_time(self, active, now):
         """How long until something can change without a notify: an active holder turning
@@ -130,8 +123,11 @@ class _Gate:
         try:
             while True:
                 now = time.monotonic()
-                active, found = self._active(now)
-                stuck += found
+                active = self._active(now)
+                for holder in self._holders.difference(active):
+                    if not holder.said:  # newly found stuck: said once, after the lock
+                        holder.said = True
+                        stuck.append(holder)
                 new = self._changing > 0 or key not in self._seen
                 if new != writer:
                     if new:
@@ -202,7 +198,7 @@ class _Gate:
             self._seen.clear()
             while True:
                 now = time.monotonic()
-                active = [h for h in self._holders if now - h.since < self.stuck]
+                active = self._active(now)
                 if not active:
                     break
                 self._cond.wait(self._wait_time(active, now))
