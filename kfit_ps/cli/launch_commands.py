@@ -144,19 +144,25 @@ def _resources(parser, flag, text):
     return resources
 
 
+# `kfit-ps manifests --format`: each form, for the help and for the error of a wrong value.
+_FORMATS = {
+    "jobset": "one JobSet: needs the JobSet controller, v0.12 or later",
+    "trainer-runtime": "a Kubeflow Trainer v2 ClusterTrainingRuntime named --name and a "
+                       "TrainJob on it, written against Trainer v2.3.0",
+    "statefulsets": "StatefulSets and Jobs, for any cluster",
+}
+
+
 def cmd_manifests(args, parser):
     import shlex
 
     from kfit_ps.launch import jobset, manifests, trainer_runtime
 
-    formats = {"statefulsets": manifests.render, "jobset": jobset.render,  # `--format`
-               "trainer-runtime": lambda config: trainer_runtime.render(config, args.train_job)}
-    if args.format not in formats:
-        flag_error(parser, "--format", args.format,
-                   "must be 'jobset' (a JobSet: needs the JobSet controller, v0.12 or later), "
-                   "'trainer-runtime' (a Kubeflow Trainer v2 ClusterTrainingRuntime and a "
-                   "TrainJob on it, written against Trainer v2.3.0) or 'statefulsets' "
-                   "(StatefulSets and Jobs: any cluster).")
+    if args.format not in _FORMATS:
+        flag_error(parser, "--format", args.format, "must be " + " or ".join(
+            f"'{name}' ({what})" for name, what in _FORMATS.items()) + ".")
+    render = {"statefulsets": manifests.render, "jobset": jobset.render,
+              "trainer-runtime": lambda config: trainer_runtime.render(config, args.train_job)}
     if args.ttl_after_finished is not None and args.format == "statefulsets":
         flag_error(parser, "--ttl-after-finished", args.ttl_after_finished,
                    "deletes a finished JobSet: pass it with --format jobset or trainer-runtime, "
@@ -176,7 +182,7 @@ def cmd_manifests(args, parser):
             cpu=_resources(parser, "--cpu", args.cpu),
             memory=_resources(parser, "--memory", args.memory),
             ttl_after_finished=args.ttl_after_finished)
-        objects = formats[args.format](config)
+        objects = render[args.format](config)
     except ValueError as e:
         parser.error(str(e))
     # The runtime's documents each under a comment on who applies it and what it fixes.
@@ -300,12 +306,8 @@ def add_parsers(sub):
                     "Services, StatefulSets (workers, ps) and Jobs (chief, evaluator) (--format "
                     "statefulsets), with PodDisruptionBudgets and a NetworkPolicy; apply with "
                     "`kubectl apply -f -`.")
-    manifests.add_argument("--format", default="statefulsets",
-                           help="'jobset': one JobSet (needs the JobSet controller, v0.12 or "
-                                "later); 'trainer-runtime': a ClusterTrainingRuntime named "
-                                "--name and a TrainJob on it (Kubeflow Trainer v2: written "
-                                "against v2.3.0); 'statefulsets': StatefulSets and Jobs, for any "
-                                "cluster (default statefulsets)")
+    manifests.add_argument("--format", default="statefulsets", help="; ".join(
+        f"'{name}': {what}" for name, what in _FORMATS.items()) + " (default statefulsets)")
     manifests.add_argument("--ttl-after-finished", type=int, default=None,
                            help="with --format jobset or trainer-runtime: seconds after which "
                                 "a finished JobSet is deleted (default: kept)")
