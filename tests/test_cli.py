@@ -133,3 +133,24 @@ def test_launch_defaults_come_from_launch_config_alone(monkeypatch):
     run_help = next(a for a in parser._subparsers._group_actions[0].choices.items()
                     if a[0] == "run")[1].format_help()
     assert "(default 3)" in run_help and "(default 20;" in " ".join(run_help.split())
+
+
+def test_main_in_process_gives_the_kfit_ps_logger_back(capsys):
+    """`main` owns the `kfit_ps` logger while it runs (plain messages on the stderr of that moment)
+    and hands it back as found: a caller's log capture still sees kfit_ps' warnings afterwards."""
+    import contextlib
+    import io
+    import logging
+
+    from kfit_ps.cli import main as cli
+
+    logger = logging.getLogger("kfit_ps")
+    before = (list(logger.handlers), logger.level, logger.propagate)
+    assert cli.main(["manifests", "--name", "demo", "--image", "img:1", "--", "python",
+                     "t.py"]) == 0
+    assert (list(logger.handlers), logger.level, logger.propagate) == before
+    err = io.StringIO()
+    with cli._kfit_ps_logging(), contextlib.redirect_stderr(err):
+        logging.getLogger("kfit_ps.training").warning("kfit_ps: a warning")
+    assert err.getvalue() == "kfit_ps: a warning\n"
+    assert "kind: StatefulSet" in capsys.readouterr().out

@@ -24,6 +24,7 @@ launcher's commands (`run`, `status`, `scale`, `manifests`) only to delete remot
 """
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -253,33 +254,60 @@ def build_parser():
     return parser
 
 
-def _configure_logging():
-    """The `kfit_ps` logger's messages, plain, at `KFIT_PS_LOG_LEVEL` (this is the application)."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(message)s"))
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is when a message comes (a caller may have replaced it)."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+@contextlib.contextmanager
+def _kfit_ps_logging():
+    """The `kfit_ps` logger's messages, plain, at `KFIT_PS_LOG_LEVEL`, for as long as `main` runs.
+
+    `main` is the application, so it owns the logger while it runs; called in-process (a test, a
+    notebook), it gives the logger back as it found it.
+    """
     logger = logging.getLogger("kfit_ps")
+    before = (logger.level, logger.propagate)
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
     logger.addHandler(handler)
     logger.setLevel(constants.log_level())
     logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(before[0])
+        logger.propagate = before[1]
 
 
 def main(argv=None):
-    _configure_logging()
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # to re-execute isolated
-    status = args.handler(args, parser)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if args.command in ("quickstart", "evaluator", "run"):
-        # The servers are gone; skip interpreter teardown, where TensorFlow would try (and
-        # loudly fail) to unregister functions from them. That skips autograph's clean-up too
-        # (`run`, the launcher, loads no TensorFlow: its chief cleans up after itself).
-        if args.command != "run":
-            from kfit_ps._tf_compat import remove_autograph_files
+    with _kfit_ps_logging():
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # to re-execute isolated
+        status = args.handler(args, parser)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if args.command in ("quickstart", "evaluator", "run"):
+            # The servers are gone; skip interpreter teardown, where TensorFlow would try (and
+            # loudly fail) to unregister functions from them. That skips autograph's clean-up
+            # too (`run`, the launcher, loads no TensorFlow: its chief cleans up after itself).
+            if args.command != "run":
+                from kfit_ps._tf_compat import remove_autograph_files
 
-            remove_autograph_files()
-        os._exit(status)
+                remove_autograph_files()
+            os._exit(status)
     return status
 
 
