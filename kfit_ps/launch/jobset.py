@@ -109,41 +109,51 @@ def failure_rules(config):
     return rules
 
 
-def _job_template(config, task_type):
+def _job_template(config, task_type, names, index_labels):
     """A replicated job's Job: one pod, which is never run twice at once."""
-    names = functools.partial(address, config)
     spec = {"completionMode": "Indexed", "parallelism": 1, "completions": 1,
             "podReplacementPolicy": "Failed", "backoffLimit": SERVER_BACKOFF_LIMIT}
     if task_type == "chief":
         spec.update(backoffLimit=config.backoff_limit, **manifests.chief_failure_handling())
-        template = manifests.pod_template(config, task_type, "Never", address=names)
+        template = manifests.pod_template(config, task_type, "Never",
+                                          index_labels.get(task_type), names)
     elif task_type == "evaluator":  # No launcher: its container restarts in place.
         template = manifests.pod_template(config, task_type, "OnFailure", address=names)
     else:
         spec["podFailurePolicy"] = {"rules": server_pod_failure_rules(task_type)}
-        template = manifests.pod_template(config, task_type, "Never", JOB_INDEX_LABEL, names)
+        template = manifests.pod_template(config, task_type, "Never",
+                                          index_labels.get(task_type), names)
     spec["template"] = template
     return {"metadata": {"labels": manifests.labels(config, task_type)}, "spec": spec}
 
 
-def replicated_jobs(config):
-    """`spec.replicatedJobs`: ps, then workers, then the chief (`ORDER`), then the evaluator."""
+# The label each task type's pods read their index from; a task type not named is index 0.
+INDEX_LABELS = {"ps": JOB_INDEX_LABEL, "worker": JOB_INDEX_LABEL}
+
+
+def replicated_jobs(config, names=None, index_labels=INDEX_LABELS):
+    """`spec.replicatedJobs`: ps, then workers, then the chief (`ORDER`), then the evaluator.
+
+    `names(type, index)` gives the tasks' addresses in `TF_CONFIG` (default `address`);
+    `index_labels` the label each type's pods read their index from.
+    """
+    names = names or functools.partial(address, config)
     counts = {"ps": config.num_ps, "worker": config.num_workers, "chief": 1, "evaluator": 1}
     types = list(ORDER) + (["evaluator"] if config.evaluator_command else [])
     jobs = []
     for task_type in types:
         job = {"name": task_type, "replicas": counts[task_type],
-               "template": _job_template(config, task_type)}
+               "template": _job_template(config, task_type, names, index_labels)}
         if task_type in ORDER[1:]:  # The evaluator needs no server: it starts at once.
             job["dependsOn"] = [{"name": ORDER[ORDER.index(task_type) - 1], "status": "Ready"}]
         jobs.append(job)
     return jobs
 
 
-def jobset(config):
-    """The JobSet object (see the module doc)."""
+def jobset(config, jobs=None):
+    """The JobSet object (see the module doc), of `jobs` (default `replicated_jobs(config)`)."""
     done = ["chief"] + (["evaluator"] if config.evaluator_command else [])
-    spec = {"replicatedJobs": replicated_jobs(config),
+    spec = {"replicatedJobs": replicated_jobs(config) if jobs is None else jobs,
             "network": {"enableDNSHostnames": True, "subdomain": config.name,
                         "publishNotReadyAddresses": True},
             "successPolicy": {"operator": "All", "targetReplicatedJobs": done},

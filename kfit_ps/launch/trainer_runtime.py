@@ -73,8 +73,7 @@ COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 NAMESPACE_ENV = "KFIT_PS_NAMESPACE"
 # The label each pod reads its task index from: JobSet's Job index (one Job per task) for
 # the servers, the chief Job's completion index for the chief; the evaluator is index 0.
-INDEX_LABELS = {"ps": jobset.JOB_INDEX_LABEL, "worker": jobset.JOB_INDEX_LABEL,
-                "chief": COMPLETION_INDEX_LABEL}
+INDEX_LABELS = {**jobset.INDEX_LABELS, "chief": COMPLETION_INDEX_LABEL}
 
 
 def address(config, task_type, index):
@@ -121,17 +120,13 @@ def _as_trainer(config, job_spec):
 
 def replicated_jobs(config):
     """The JobSet form's replicated jobs, their pods named from within (see the module doc)."""
-    names = functools.partial(address, config)
-    jobs = jobset.replicated_jobs(config)
+    jobs = jobset.replicated_jobs(config, functools.partial(address, config), INDEX_LABELS)
     for rjob in jobs:
         task_type, template = rjob["name"], rjob["template"]
-        restart = template["spec"]["template"]["spec"]["restartPolicy"]
-        pod = manifests.pod_template(config, task_type, restart, INDEX_LABELS.get(task_type),
-                                     names)
+        pod = template["spec"]["template"]
         for labelled in (template, pod):
             labelled["metadata"]["labels"] = _runtime_labels(labelled["metadata"]["labels"])
         _from_the_pod(pod["spec"]["containers"][0])
-        template["spec"]["template"] = pod
         if task_type == TRAINER_JOB:
             template["metadata"]["labels"][ANCESTOR_LABEL] = TRAINER_ANCESTOR
             _as_trainer(config, template["spec"])
@@ -140,8 +135,7 @@ def replicated_jobs(config):
 
 def runtime(config):
     """The `ClusterTrainingRuntime` `<name>` (see the module doc)."""
-    spec = jobset.jobset(config)["spec"]
-    spec["replicatedJobs"] = replicated_jobs(config)
+    spec = jobset.jobset(config, replicated_jobs(config))["spec"]
     del spec["network"]["subdomain"]  # JobSet's default: the JobSet's (the TrainJob's) name
     labels = _runtime_labels(manifests.labels(config))
     return {"apiVersion": API_VERSION, "kind": "ClusterTrainingRuntime",
