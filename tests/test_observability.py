@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 import urllib.request
 
 import pytest
@@ -20,38 +21,52 @@ from tests.test_launcher import Job
 
 ALLOWED_LABELS = {"kfit_job", "task_type", "task_index", "reason", "le"}
 
-# Trains until the file argv[1] exists; TensorBoard (with per-task scalars) in argv[2].
+# Trains each model of argv[3] ("table,dense") in turn, each until the file argv[1]-KIND exists;
+# TensorBoard (with per-task scalars) in argv[2]. "table": one big table, the strategy's first
+# variable, so on ps:0 (the few dense ones spread), trained flat out: the ps must burn CPU.
+# "dense": a small dense model, a function dispatched every 0.1 s at most (a slowed worker shows
+# in its functions' times, the straggler rule's measure, at any pace; flat out, the job only
+# burns 2 cores for nothing).
 LIVE = textwrap.dedent("""
     import os, sys
     import keras, kfit_ps
     from tests import helpers as h
 
-    stop_file, log_dir, model_kind = sys.argv[1:4]
+    stop_prefix, log_dir, model_kinds = sys.argv[1:4]
     strategy = kfit_ps.ParameterServerStrategy()
-    with strategy.scope():
-        if model_kind == "dense":
-            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
-                                      keras.layers.Dense(1)])
-            data = h.regression_dataset_fn()
-        else:  # One big table: the first variable, on ps:0; the few dense ones spread.
-            model = keras.Sequential([keras.Input((8,), dtype="int32"),
-                                      keras.layers.Embedding(200_000, 32), keras.layers.Flatten(),
-                                      keras.layers.Dense(16, activation="relu"),
-                                      keras.layers.Dense(1)])
-            def data(context):
-                import tensorflow as tf
-                ids = tf.random.stateless_uniform((256, 8), seed=(1, 2), maxval=200_000,
-                                                  dtype=tf.int32)
-                return tf.data.Dataset.from_tensors((ids, tf.ones((256, 1)))).repeat()
-        model.compile("adam", "mse", steps_per_execution=5)
 
     class StopOnFile(keras.callbacks.Callback):
-        def on_epoch_end(self, epoch, logs=None):
-            self.model.stop_training = os.path.exists(stop_file)
+        def __init__(self, path):
+            super().__init__()
+            self.path = path
 
-    model.fit(kfit_ps.DatasetCreator(data), epochs=100_000, steps_per_epoch=50, verbose=0,
-              callbacks=[StopOnFile(), kfit_ps.callbacks.TensorBoard(log_dir)])
-    print("TRAINED", flush=True)
+        def on_epoch_end(self, epoch, logs=None):
+            self.model.stop_training = os.path.exists(self.path)
+
+    for model_kind in model_kinds.split(","):
+        with strategy.scope():
+            if model_kind == "dense":
+                model = keras.Sequential([keras.Input((4,)),
+                                          keras.layers.Dense(8, activation="relu"),
+                                          keras.layers.Dense(1)])
+                data = h.regression_dataset_fn()
+            else:
+                model = keras.Sequential([keras.Input((8,), dtype="int32"),
+                                          keras.layers.Embedding(200_000, 32),
+                                          keras.layers.Flatten(),
+                                          keras.layers.Dense(16, activation="relu"),
+                                          keras.layers.Dense(1)])
+                def data(context):
+                    import tensorflow as tf
+                    ids = tf.random.stateless_uniform((256, 8), seed=(1, 2), maxval=200_000,
+                                                      dtype=tf.int32)
+                    return tf.data.Dataset.from_tensors((ids, tf.ones((256, 1)))).repeat()
+            model.compile("adam", "mse", steps_per_execution=5)
+        stop = StopOnFile(f"{stop_prefix}-{model_kind}")
+        paced = [h.paced_until(stop.path, 0.1)] if model_kind == "dense" else []
+        model.fit(kfit_ps.DatasetCreator(data), epochs=100_000, steps_per_epoch=50, verbose=0,
+                  callbacks=[stop, kfit_ps.callbacks.TensorBoard(log_dir), *paced])
+        print("TRAINED", model_kind, flush=True)
 """)
 
 
@@ -286,106 +301,160 @@ def test_an_event_log_appends_whole_lines_from_two_processes(tmp_path):
 # Live jobs ----------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def live_job(tmp_path_factory):
+    """One `kfit-ps run` job (2 workers, 2 ps) that both live tests observe, started once: it
+    trains the table model until ps:0 is named hot, then the dense model, whose worker:1 is
+    slowed until named a straggler, then killed, restarted and shown on the status page and by
+    `kfit-ps status`. Returns what was seen; an exception that ended a phase early is kept in
+    `errors` for its test to raise, and the other phase still runs. The job is killed if it
+    still runs at the end."""
+    tmp_path = tmp_path_factory.mktemp("live")
+    seen = types.SimpleNamespace(log_dir=tmp_path / "tb", profile=tmp_path / "chromium",
+                                 errors={}, status=None)
+    stop = tmp_path / "stop"
+    job = seen.job = Job(tmp_path, "--workers", "2", "--ps", "2", script=LIVE,
+                         script_args=(stop, seen.log_dir, "table,dense"))
+    try:
+        for kind, phase in (("table", _hot_ps_phase), ("dense", _straggler_phase)):
+            try:
+                phase(job, seen)
+            except Exception as e:  # noqa: BLE001 - its test raises it
+                seen.errors[kind] = e
+            finally:
+                (tmp_path / f"stop-{kind}").write_text("")
+        seen.status = job.finish()
+    finally:
+        if job.proc.poll() is None:
+            job.proc.kill()
+    seen.events = read_events(job)
+    begins = [i for i, e in enumerate(seen.events) if e["event"] == "fit_begin"]
+    split = begins[1] if len(begins) > 1 else len(seen.events)
+    seen.table_events, seen.dense_events = seen.events[:split], seen.events[split:]
+    seen.output = "\n".join(job.lines)
+    seen.left_running = job.left_running()
+    return seen
+
+
+def _hot_ps_phase(job, seen):
+    """The table model: every table on ps:0, no worker slowed."""
+    seen.table_begun = wait_for_event(job, lambda e: e["event"] == "fit_begin", 180)
+    seen.hot = wait_for_event(job, lambda e: e["event"] == "hot_ps", 60)
+    seen.hot_samples = bounded(fetch(status_url(job) + "metrics"))  # The launcher's page.
+
+
+def _straggler_phase(job, seen):
+    """The dense model: once it trains (an epoch ended), worker:1 is slowed until it is named;
+    then killed. What the status page, its metrics and `kfit-ps status` show."""
+    after = getattr(seen, "table_begun", {"time": 0.0})["time"]
+    begun = wait_for_event(job, lambda e: e["event"] == "fit_begin" and e["time"] > after, 180)
+    wait_for_event(job, lambda e: e["event"] == "epoch" and e["time"] > begun["time"], 180)
+    cycle = DutyCycle(job.tasks()["worker:1"])
+    seen.slowed_at, started = time.time(), time.monotonic()
+    cycle.start()
+    try:
+        seen.straggler = wait_for_event(
+            job, lambda e: e["event"] == "straggler" and e["time"] >= seen.slowed_at, 60)
+        seen.elapsed = time.monotonic() - started
+        seen.straggler_samples = bounded(fetch(status_url(job) + "metrics"))
+    finally:
+        cycle.stop()
+
+    os.kill(job.tasks()["worker:1"], signal.SIGKILL)
+    wait_for_event(job, lambda e: e["event"] == "restart" and e["task"] == "worker:1", 60)
+    seen.restarted_pid = job.tasks()["worker:1"]
+    try:
+        seen.dom = browser.rendered_dom(status_url(job), seen.profile)
+    except (pytest.skip.Exception, pytest.fail.Exception) as e:  # No browser here.
+        seen.dom = e
+    seen.shown = subprocess.run([sys.executable, "-m", "kfit_ps.cli.main", "status",
+                                 "--run-dir", str(job.run_dir)], capture_output=True,
+                                text=True, timeout=60, cwd=helpers.ROOT)
+    seen.shown_pid = job.tasks()["worker:1"]
+
+
 @pytest.mark.chaos
 @pytest.mark.slow
 def test_a_live_job_names_a_slowed_worker_renders_its_restart_and_serves_bounded_metrics(
-        tmp_path):
-    stop_file, log_dir = tmp_path / "stop", tmp_path / "tb"
-    job = Job(tmp_path, "--workers", "2", "--ps", "2",
-              script=LIVE, script_args=(stop_file, log_dir, "dense"))
-    cycle = None
-    try:
-        wait_for_event(job, lambda e: e["event"] == "fit_begin", 180)
-        time.sleep(30)  # A healthy job: more than a window and its sustain.
-        assert [e for e in read_events(job) if e["event"] in ("straggler", "hot_ps")] == []
+        live_job):
+    """A worker stopped half of the time is named a straggler within 60 s, on the launcher's
+    metrics and in the chief's output, and no worker before it was slowed nor a ps of the
+    dense model ever; its restart after SIGKILL shows on the status page (in a browser) and
+    in `kfit-ps status`; the per-task scalars reach TensorBoard."""
+    seen = live_job
+    if "dense" in seen.errors:
+        raise seen.errors["dense"]
+    # Healthy, for more than a window and its sustain (the table phase, then the dense model
+    # until worker:1 was slowed): no worker named; the dense model's ps tasks never hot.
+    assert [e for e in seen.events if e["event"] == "straggler"
+            and e["time"] < seen.slowed_at] == []
+    assert [e for e in seen.dense_events if e["event"] == "hot_ps"] == []
 
-        cycle = DutyCycle(job.tasks()["worker:1"])
-        started = time.monotonic()
-        cycle.start()
-        named = wait_for_event(job, lambda e: e["event"] == "straggler", 60)
-        elapsed = time.monotonic() - started
-        samples = bounded(fetch(status_url(job) + "metrics"))  # The launcher's page.
-        cycle.stop()
-        assert named["task"] == "worker:1" and elapsed <= 60, (named, elapsed)
-        assert named["steps_per_second"] < diagnosis.STRAGGLER_RATIO * named["others"]
-        assert value(samples, "kfit_ps_straggler", "worker:1") == 1.0
-        assert value(samples, "kfit_ps_straggler", "worker:0") in (None, 0.0)
-        assert value(samples, "kfit_ps_steps_total", "worker:0") > 0
-        assert value(samples, "kfit_ps_task_up", "ps:1") == 1.0
-        assert value(samples, "kfit_ps_ps_cpu_cores", "ps:0") is not None
-        assert not [e for e in read_events(job) if e["event"] == "hot_ps"]
+    named, samples = seen.straggler, seen.straggler_samples
+    assert named["task"] == "worker:1" and seen.elapsed <= 60, (named, seen.elapsed)
+    assert named["steps_per_second"] < diagnosis.STRAGGLER_RATIO * named["others"]
+    assert value(samples, "kfit_ps_straggler", "worker:1") == 1.0
+    assert value(samples, "kfit_ps_straggler", "worker:0") in (None, 0.0)
+    assert value(samples, "kfit_ps_steps_total", "worker:0") > 0
+    assert value(samples, "kfit_ps_task_up", "ps:1") == 1.0
+    assert value(samples, "kfit_ps_ps_cpu_cores", "ps:0") is not None
 
-        pid = job.tasks()["worker:1"]
-        os.kill(pid, signal.SIGKILL)
-        wait_for_event(job, lambda e: e["event"] == "restart" and e["task"] == "worker:1", 60)
-        url = status_url(job)
-        dom = browser.rendered_dom(url, tmp_path / "chromium")
-        rows = {task: state for state, task in
-                re.findall(r'<tr class="(\w+)" data-task="([\w:]+)"', dom)}
-        assert rows == {"chief:0": "running", "worker:0": "running", "worker:1": "running",
-                        "ps:0": "running", "ps:1": "running"}, dom[-3000:]
-        restarts = dict(re.findall(
-            r'data-task="([\w:]+)"><td>[^<]*</td><td class="state">\w+</td><td>\d*</td>'
-            r'<td class="restarts">(\d+)</td>', dom))
-        assert restarts == {"chief:0": "0", "worker:0": "0", "worker:1": "1", "ps:0": "0",
-                            "ps:1": "0"}, dom[-3000:]
-        assert 'data-event="restart"' in dom and 'data-event="task_lost"' in dom
-        assert f"worker:1 is back (pid {job.tasks()['worker:1']})" in dom
-        assert "<polyline" in dom  # the training curve
+    shown = seen.shown
+    assert shown.returncode == 0, shown.stderr
+    [line] = [x for x in shown.stdout.splitlines() if x.startswith("worker:1 ")]
+    assert line.split()[1:4] == ["running", str(seen.shown_pid), "1"], shown.stdout
+    assert "restart worker:1" in shown.stdout
 
-        shown = subprocess.run([sys.executable, "-m", "kfit_ps.cli.main", "status",
-                                "--run-dir", str(job.run_dir)], capture_output=True,
-                               text=True, timeout=60, cwd=helpers.ROOT)
-        assert shown.returncode == 0, shown.stderr
-        [line] = [x for x in shown.stdout.splitlines() if x.startswith("worker:1 ")]
-        assert line.split()[1:4] == ["running", str(job.tasks()["worker:1"]), "1"], shown.stdout
-        assert "restart worker:1" in shown.stdout
-        stop_file.write_text("")
-        status = job.finish()
-    finally:
-        if cycle is not None:
-            cycle.stop()
-        if job.proc.poll() is None:
-            job.proc.kill()
-    assert status == 0, "\n".join(job.lines[-60:])
-    output = "\n".join(job.lines)
-    assert "[chief] kfit_ps: worker:1 is straggling" in output
-    assert "status page http://127.0.0.1:" in output
+    assert seen.status == 0, "\n".join(seen.job.lines[-60:])
+    assert "[chief] kfit_ps: worker:1 is straggling" in seen.output
+    assert "status page http://127.0.0.1:" in seen.output
     from kfit_ps.training.callbacks import summaries
 
     scalars = {}
-    for name in os.listdir(log_dir / "tasks"):
-        scalars.update(summaries.read_scalars(str(log_dir / "tasks" / name)))
+    for name in os.listdir(seen.log_dir / "tasks"):
+        scalars.update(summaries.read_scalars(str(seen.log_dir / "tasks" / name)))
     assert {"worker_0/steps_per_second", "worker_1/steps_per_second", "ps_0/cpu_cores",
             "ps_1/cpu_cores"} <= set(scalars), sorted(scalars)
-    assert job.left_running() == []
+    assert seen.left_running == []
+
+    if isinstance(seen.dom, BaseException):  # No browser: skipped (failed in CI).
+        raise seen.dom
+    dom = seen.dom
+    rows = {task: state for state, task in
+            re.findall(r'<tr class="(\w+)" data-task="([\w:]+)"', dom)}
+    assert rows == {"chief:0": "running", "worker:0": "running", "worker:1": "running",
+                    "ps:0": "running", "ps:1": "running"}, dom[-3000:]
+    restarts = dict(re.findall(
+        r'data-task="([\w:]+)"><td>[^<]*</td><td class="state">\w+</td><td>\d*</td>'
+        r'<td class="restarts">(\d+)</td>', dom))
+    assert restarts == {"chief:0": "0", "worker:0": "0", "worker:1": "1", "ps:0": "0",
+                        "ps:1": "0"}, dom[-3000:]
+    assert 'data-event="restart"' in dom and 'data-event="task_lost"' in dom
+    assert f"worker:1 is back (pid {seen.restarted_pid})" in dom
+    assert "<polyline" in dom  # the training curve
 
 
+@pytest.mark.chaos  # Its job, shared, also kills a worker.
 @pytest.mark.slow
-def test_a_ps_holding_every_table_is_named_hot_and_no_worker_a_straggler(tmp_path):
-    stop_file = tmp_path / "stop"
-    job = Job(tmp_path, "--workers", "2", "--ps", "2",
-              script=LIVE, script_args=(stop_file, tmp_path / "tb", "table"))
-    try:
-        begun = wait_for_event(job, lambda e: e["event"] == "fit_begin", 180)
-        named = wait_for_event(job, lambda e: e["event"] == "hot_ps", 60)
-        samples = bounded(fetch(status_url(job) + "metrics"))
-        stop_file.write_text("")
-        status = job.finish()
-    finally:
-        if job.proc.poll() is None:
-            job.proc.kill()
-    assert status == 0, "\n".join(job.lines[-60:])
+def test_a_ps_holding_every_table_is_named_hot_and_no_worker_a_straggler(live_job):
+    """The ps holding the one big table is named hot within 60 s of the fit's start, on the
+    launcher's metrics (with its table's rows) and in the chief's output; while that model
+    trains, nothing else is named."""
+    seen = live_job
+    if "table" in seen.errors:
+        raise seen.errors["table"]
+    assert seen.status == 0, "\n".join(seen.job.lines[-60:])
+    named, begun, samples = seen.hot, seen.table_begun, seen.hot_samples
     assert named["task"] == "ps:0" and named["time"] - begun["time"] <= 60, (named, begun)
     assert named["cpu_cores"] >= diagnosis.HOT_RATIO * named["others"]
     assert value(samples, "kfit_ps_hot_ps", "ps:0") == 1.0
     assert value(samples, "kfit_ps_table_rows", "ps:0") == 200_000
     assert value(samples, "kfit_ps_table_rows", "ps:1") is None
-    kinds = [(e["event"], e["task"]) for e in read_events(job)
+    kinds = [(e["event"], e["task"]) for e in seen.table_events
              if e["event"] in ("hot_ps", "straggler")]
     assert kinds == [("hot_ps", "ps:0")], kinds
-    assert "[chief] kfit_ps: ps:0 is hot" in "\n".join(job.lines)
-    assert job.left_running() == []
+    assert "[chief] kfit_ps: ps:0 is hot" in seen.output
+    assert seen.left_running == []
 
 
 def test_bad_status_arguments_name_the_flag_and_say_what_to_do(tmp_path):
