@@ -8,11 +8,13 @@ around the model. The LocalCluster's servers run until the script ends; under `k
 is the launcher's cluster (its --workers / --ps) and starts no servers.
 """
 
+# kfit_ps first: imported before TensorFlow, it keeps TensorFlow's C++ start-up log lines
+# off the terminal (KFIT_PS_TF_LOGS=1 brings them back).
+import kfit_ps  # isort: skip
+
 import keras
 import numpy as np
 import tensorflow as tf
-
-import kfit_ps
 
 
 def dataset_fn(input_context):

@@ -17,11 +17,13 @@ import subprocess
 import sys
 import tempfile
 
+# kfit_ps first: imported before TensorFlow, it keeps TensorFlow's C++ start-up log lines
+# off the terminal (KFIT_PS_TF_LOGS=1 brings them back).
+import kfit_ps  # isort: skip
+
 import keras
 import numpy as np
 import tensorflow as tf
-
-import kfit_ps
 
 HERE = os.path.abspath(__file__)
 

@@ -108,9 +108,11 @@ def test_quickstart_main_job_learns_and_leaves_nothing(tmp_path):
 def test_examples_quickstart_learns_alone_and_on_the_launchers_servers(tmp_path):
     """The example's two changed lines (the strategy from a LocalCluster, the scope): alone,
     its servers run until the script ends; under `kfit-ps run` the same LocalCluster is the
-    launcher's cluster and starts no server of its own."""
-    proc, out, pids = run_and_watch([sys.executable, "examples/quickstart.py"])
+    launcher's cluster and starts no server of its own. Run as a user who set nothing, it
+    prints kfit_ps' and Keras' output only."""
+    proc, out, pids = run_and_watch([sys.executable, "examples/quickstart.py"], env=user_env())
     assert proc.returncode == 0, out[-3000:]
+    assert foreign_lines(out) == [], out[-3000:]
     match = re.search(r"final training AUC: ([0-9.]+)", out)
     # Usually 0.84 to 0.86, but the model finds the taste pattern late (epoch AUCs about 0.55,
     # 0.69, 0.86): one suite run in about ten, with a slow start, ended at 0.63. Chance is 0.5.
@@ -132,8 +134,9 @@ def test_examples_quickstart_learns_alone_and_on_the_launchers_servers(tmp_path)
 @pytest.mark.slow
 def test_examples_train_with_evaluator(tmp_path):
     proc, out, pids = run_and_watch([sys.executable, "examples/train_with_evaluator.py",
-                                     str(tmp_path)])
+                                     str(tmp_path)], env=user_env())
     assert proc.returncode == 0, out[-3000:]
+    assert foreign_lines(out) == [], out[-3000:]
     steps = [int(s) for s in re.findall(r"evaluator: ckpt-\S+ at step (\d+)", out)]
     assert steps == [50, 100, 150, 200], out[-3000:]  # each checkpoint once, in order
     assert "4 checkpoints evaluated" in out
