@@ -325,11 +325,15 @@ def indexed_arrays(num_examples, features=8, seed=0):
 FILE_SIZES = (3000, 0, 7, 4100, 55, 2500, 1, 337)
 
 
-def indexed_files(directory, kind, sizes=FILE_SIZES, features=8):
+def indexed_files(directory, kind, sizes=FILE_SIZES, features=8, compression=""):
     """`indexed_arrays(sum(sizes))` written to files, `sizes[i]` examples in file `i`: TFRecord
     files of `tf.train.Example`s (`kind="tfrecord"`), or CSV files with a header line
-    (`kind="csv"`: `index,x0,...,y`, every seventh line ending in CRLF). Returns the paths;
+    (`kind="csv"`: `index,x0,...,y`, every seventh line ending in CRLF), compressed with
+    `compression` ("GZIP": names ending in `.gz`, "ZLIB": `.zz`). Returns the paths;
     `indexed_file_dataset` reads them."""
+    import gzip
+    import zlib
+
     import tensorflow as tf
 
     (x, index), y = indexed_arrays(sum(sizes), features)
@@ -342,33 +346,38 @@ def indexed_files(directory, kind, sizes=FILE_SIZES, features=8):
     xs.extend([0.0] * features)
     ids.append(0)
     ys.append(0.0)
+    suffix = {"": "", "GZIP": ".gz", "ZLIB": ".zz"}[compression]
     for number, size in enumerate(sizes):
         rows = range(start, start + size)
-        path = os.path.join(directory, f"part-{number:05d}.{kind}")
+        path = os.path.join(directory, f"part-{number:05d}.{kind}{suffix}")
         if kind == "tfrecord":
-            with tf.io.TFRecordWriter(path) as writer:
+            with tf.io.TFRecordWriter(path, compression or None) as writer:
                 for i in rows:
                     xs[:], ids[0], ys[0] = x[i].tolist(), i, float(y[i, 0])
                     writer.write(example.SerializeToString())
         else:
-            with open(path, "w", newline="") as f:
-                f.write(",".join(["index", *(f"x{j}" for j in range(features)), "y"]) + "\n")
-                for i in rows:
-                    values = [str(i), *(repr(float(v)) for v in x[i]), repr(float(y[i, 0]))]
-                    f.write(",".join(values) + ("\r\n" if i % 7 == 0 else "\n"))
+            lines = [",".join(["index", *(f"x{j}" for j in range(features)), "y"]) + "\n"]
+            for i in rows:
+                values = [str(i), *(repr(float(v)) for v in x[i]), repr(float(y[i, 0]))]
+                lines.append(",".join(values) + ("\r\n" if i % 7 == 0 else "\n"))
+            text = "".join(lines).encode()
+            with tf.io.gfile.GFile(path, "wb") as f:
+                f.write({"": bytes, "GZIP": gzip.compress, "ZLIB": zlib.compress}[compression](
+                    text))
         paths.append(path)
         start += size
     return paths
 
 
-def indexed_file_dataset(paths, batch_size, features=8):
+def indexed_file_dataset(paths, batch_size, features=8, compression=""):
     """A reader of `indexed_files`' files as a user writes one, giving `((x, index), y)`
     batches as `indexed_arrays`: `TFRecordDataset` then `parse_example` on each batch, or
-    `TextLineDataset(path).skip(1)` in `interleave` then `decode_csv` on each line. `paths`
-    may be a dataset of TFRecord files' names (`list_files`), read in `interleave`."""
+    `TextLineDataset(path).skip(1)` in `interleave` then `decode_csv` on each line, with the
+    files' `compression`. `paths` may be a dataset of TFRecord files' names (`list_files`),
+    read in `interleave`."""
     import tensorflow as tf
 
-    if isinstance(paths, tf.data.Dataset) or paths[0].endswith(".tfrecord"):
+    if isinstance(paths, tf.data.Dataset) or ".tfrecord" in paths[0]:
         spec = {"x": tf.io.FixedLenFeature([features], tf.float32),
                 "index": tf.io.FixedLenFeature([], tf.int64),
                 "y": tf.io.FixedLenFeature([1], tf.float32)}
@@ -377,8 +386,10 @@ def indexed_file_dataset(paths, batch_size, features=8):
             parsed = tf.io.parse_example(records, spec)
             return (parsed["x"], parsed["index"]), parsed["y"]
 
-        records = (paths.interleave(tf.data.TFRecordDataset, cycle_length=4)
-                   if isinstance(paths, tf.data.Dataset) else tf.data.TFRecordDataset(paths))
+        records = (paths.interleave(lambda path: tf.data.TFRecordDataset(path, compression),
+                                    cycle_length=4)
+                   if isinstance(paths, tf.data.Dataset)
+                   else tf.data.TFRecordDataset(paths, compression))
         return records.batch(batch_size).map(parse).prefetch(2)
 
     def parse_line(line):
@@ -386,4 +397,5 @@ def indexed_file_dataset(paths, batch_size, features=8):
         return (tf.stack(fields[1:-1]), fields[0]), tf.stack(fields[-1:])
 
     return tf.data.Dataset.from_tensor_slices(paths).interleave(
-        lambda path: tf.data.TextLineDataset(path).skip(1)).map(parse_line).batch(batch_size)
+        lambda path: tf.data.TextLineDataset(path, compression).skip(1)).map(
+        parse_line).batch(batch_size)

@@ -69,21 +69,46 @@ def test_a_dataset_creator_with_a_finite_dataset_is_one_pass(model):
     assert np.bincount(counts).tolist() == [0, N]
 
 
-@pytest.mark.parametrize("kind", ["tfrecord", "csv", "list_files"])
+@pytest.mark.parametrize("kind", ["tfrecord", "csv", "list_files", "tfrecord-gzip",
+                                  "csv-gzip"])
 def test_files_train_every_record_once_per_epoch(model, kind, tmp_path):
     """TFRecord files, CSV files with a header read by `interleave`, and TFRecord files of a
     shuffled `list_files` (a new order of batches each epoch), of uneven sizes (one empty,
     batches across file boundaries): each worker reads a batch from its first record's byte
-    offset, and every record is trained once per epoch."""
-    paths = helpers.indexed_files(str(tmp_path), "csv" if kind == "csv" else "tfrecord")
-    dataset = helpers.indexed_file_dataset(paths, BATCH)
+    offset, and every record is trained once per epoch. GZIP-compressed TFRecord and CSV
+    files (one empty) are whole-file splits: each file with a record is one split of its own
+    batches, read from its start, whatever `steps_per_execution` (5) asks."""
+    kind, _, compression = kind.partition("-")
+    compression = compression.upper()
+    paths = helpers.indexed_files(str(tmp_path), "csv" if kind == "csv" else "tfrecord",
+                                  compression=compression)
+    dataset = helpers.indexed_file_dataset(paths, BATCH, compression=compression)
     if kind == "list_files":
         dataset = helpers.indexed_file_dataset(
             tf.data.Dataset.list_files(str(tmp_path / "*.tfrecord")), BATCH)
-    counts, logs = _counts_after(model, lambda: model.fit(dataset, epochs=2, verbose=0))
+
+    class Synced(kfit_ps.callbacks.SyncCallback):
+        sync_every, steps = 5, []
+
+        def on_train_sync(self, epoch, step, logs):
+            self.steps.append((epoch, step))
+
+    callbacks = [Synced()] if compression else []
+    counts, logs = _counts_after(model, lambda: model.fit(dataset, epochs=2, verbose=0,
+                                                          callbacks=callbacks))
     assert np.bincount(counts).tolist() == [0, 0, N]
-    assert logs["ledger_splits"] == [8.0, 8.0]
     assert logs["ledger_splits_rerun"] == logs["ledger_splits_lost"] == [0.0, 0.0]
+    reports = kfit_ps.ledger.reports(model)
+    if not compression:
+        assert logs["ledger_splits"] == [8.0, 8.0]  # ceil(40 batches / 5)
+        return
+    # 7 files with records: 7 splits of 12, 1, 17, 1, 10, 1 and 2 batches (ceil(records /
+    # 256) each: no batch across files), where 5 batches a split would make 9 of 44.
+    assert logs["ledger_splits"] == [7.0, 7.0]
+    assert [(r.batches, r.trained_once) for r in reports] == [(44, 7), (44, 7)]
+    # A synchronisation every 5 steps waits for the end of the file it falls in (splits end
+    # at 12, 13, 30, 31, 41, 42, 44): never inside a split.
+    assert Synced.steps == [(0, 12), (0, 30), (0, 41), (1, 12), (1, 30), (1, 31), (1, 41)]
 
 
 @pytest.mark.parametrize("kind", ["tfrecord", "csv"])
@@ -102,6 +127,78 @@ def test_a_file_source_reads_each_batch_from_its_first_record(kind, tmp_path):
     np.testing.assert_array_equal(np.concatenate([b[0][0] for b in batches]), x)
     np.testing.assert_array_equal(np.concatenate([b[1] for b in batches]), y)
     assert source.examples_in(38, 5) == BATCH + N - 39 * BATCH
+
+
+def test_compressed_files_are_whole_file_splits_of_their_own_batches(tmp_path, monkeypatch):
+    """ZLIB-compressed TFRecord files of a shuffled `list_files` (`fit` over GZIP ones: above):
+    each file with a record is one split of its own batches (its last short; with
+    `drop_remainder` its last records untrained), read from its start, the files in a new
+    order each epoch. The index holds each file's record count, kept beside the launcher's
+    backup (a changed file is counted again)."""
+    from kfit_ps import constants
+    from kfit_ps.ledger import file_index
+
+    paths = helpers.indexed_files(str(tmp_path / "data"), "tfrecord", compression="ZLIB")
+    monkeypatch.setenv(constants.BACKUP_DIR_ENV, str(tmp_path / "backup"))
+    files = tf.data.Dataset.list_files(str(tmp_path / "data" / "*"))
+    make = lambda: kfit_ps.ledger.dataset_source(  # noqa: E731
+        helpers.indexed_file_dataset(files, BATCH, compression="ZLIB"), "x")
+    source = make()
+    assert (source.num_batches, source.num_examples, source.shuffle) == (44, N, True)
+    assert source.describe()["files"].startswith("8 ZLIB-compressed TFRecord files")
+    bounds = np.cumsum([0] + [size for size in helpers.FILE_SIZES if size])  # Files' ids.
+    data = tf.data.Dataset.from_tensors(source.tables)
+
+    @tf.function
+    def split(first, count, epoch):  # As `fit`'s function: `count` steps, one reader.
+        next_batch = source.split_reader(data, first, epoch)
+        ids = tf.TensorArray(tf.int64, size=0, dynamic_size=True, infer_shape=False)
+        for j in tf.range(count):
+            ids = ids.write(tf.cast(j, tf.int32), next_batch(j)[0][1])
+        return ids.concat()
+
+    def trained_order(epoch):
+        """The files in the order `epoch`'s splits train them, each split one file whole."""
+        splits, order = source.whole_splits(epoch), []
+        for first, end in zip(splits.starts[:-1], splits.starts[1:]):
+            ids = split(first, end - first, epoch).numpy()
+            file = int(np.searchsorted(bounds, ids[0], "right")) - 1
+            assert ids.tolist() == list(range(bounds[file], bounds[file + 1])), (epoch, file)
+            assert end - first == -(-len(ids) // BATCH)  # The file's own batches.
+            order.append(file)
+        assert sorted(order) == list(range(7))
+        return order
+
+    orders = [trained_order(0), trained_order(1)]
+    if orders[0] == orders[1]:  # By chance, for one seed (the paths') in 7! = 5,040.
+        orders.append(trained_order(2))
+    assert len({tuple(order) for order in orders}) > 1, orders
+    splits = source.whole_splits(1)
+    # A function started inside a file (never by `fit`) skips the batches before its first.
+    longest = int(np.argmax(np.diff(splits.starts)))
+    first, end = splits.starts[longest] + 3, splits.starts[longest + 1]
+    file = orders[1][longest]
+    assert split(first, end - first, 1).numpy().tolist() == list(
+        range(bounds[file] + 3 * BATCH, bounds[file + 1]))
+
+    dropping = kfit_ps.ledger.dataset_source(tf.data.TFRecordDataset(paths, "ZLIB").batch(
+        BATCH, drop_remainder=True), "x")  # In the files' order (not shuffled).
+    assert dropping.whole_splits(0).starts.tolist() == [0, 11, 27, 36, 37]
+    assert dropping.num_examples == 37 * BATCH
+
+    cached = os.listdir(tmp_path / "backup" / "file-index")
+    assert len(cached) == 8, cached
+    monkeypatch.setattr(file_index, "_cache", {})  # A restarted chief reads no file...
+
+    def uncounted(count, path, kind, compression):
+        raise AssertionError(f"{path} was read again")
+
+    monkeypatch.setattr(file_index, "_count_records", uncounted)
+    assert make().describe() == source.describe()  # ...but the counts beside the backup.
+    stat = os.stat(paths[0])
+    os.utime(paths[0], ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    with pytest.raises(AssertionError, match="part-00000.* was read again"):
+        make()
 
 
 def test_steps_per_epoch_still_streams(model):
@@ -415,18 +512,34 @@ def test_the_file_index_is_kept_beside_the_launchers_backup_and_read_back(tmp_pa
         kfit_ps.ledger.dataset_source(helpers.indexed_file_dataset(paths, 64), "x")
 
 
-def test_compressed_files_and_record_filters_are_refused_with_the_reason(model, tmp_path):
+def test_other_compressions_and_record_filters_are_refused_with_the_reason(model, tmp_path):
     paths = helpers.indexed_files(str(tmp_path), "tfrecord", sizes=(10, 20))
-    for dataset, reason in [
+    gzipped = helpers.indexed_files(str(tmp_path), "tfrecord", sizes=(3,), compression="GZIP")
+    per_file = lambda path: tf.data.TFRecordDataset(path, tf.where(  # noqa: E731
+        tf.strings.regex_full_match(path, ".*gz"), "GZIP", ""))
+    for dataset, reasons in [
+            (tf.data.TFRecordDataset(paths, compression_type="SNAPPY").batch(4),
+             ["compression_type is 'SNAPPY'", "Received: compression_type='SNAPPY'",
+              "with GZIP or ZLIB, and pass that compression_type", "steps_per_epoch"]),
+            (tf.data.Dataset.from_tensor_slices(paths + gzipped).interleave(per_file).batch(4),
+             ["`compression_type` is computed per file (by the per-file function)",
+              "Received: compression_type=<a tensor", "Pass one constant compression_type",
+              "steps_per_epoch"]),
             (tf.data.TFRecordDataset(paths, compression_type="GZIP").batch(4),
-             "its files are GZIP-compressed"),
+             [f"{paths[0]} cannot be read as a GZIP-compressed TFRecord file",
+              "Received: compression_type='GZIP'", "Pass the compression its files were"]),
+            (tf.data.TFRecordDataset(gzipped).batch(4),
+             [f"{gzipped[0]} is not a TFRecord file (or it is compressed",
+              "Received: compression_type='' (none)", "compression_type='GZIP'"]),
             (tf.data.TFRecordDataset(paths).filter(lambda r: True).batch(4),
-             "it has a FilterDataset where a file reader"),
+             ["it has a FilterDataset where a file reader", "steps_per_epoch"]),
             (tf.data.Dataset.from_tensor_slices(paths).batch(2).flat_map(
-                tf.data.TFRecordDataset).batch(4), "is not one file name per element")]:
+                tf.data.TFRecordDataset).batch(4),
+             ["is not one file name per element", "steps_per_epoch"])]:
         with pytest.raises(ValueError) as info:
             model.fit(dataset, epochs=1, verbose=0)
-        assert reason in str(info.value) and "steps_per_epoch" in str(info.value)
+        for reason in reasons:
+            assert reason in str(info.value), str(info.value)
 
 
 # Shuffled arrays, stopped by SIGTERM mid-epoch (a backup at the step reached), then resumed

@@ -192,6 +192,18 @@ def test_sync_points_cover_every_multiple_and_the_epoch_end():
     assert points.stops(1, 0) == [2, 6, 8, 10]  # global 12, 16, 18, 20
     assert points.stops(1, 6) == [8, 10]  # resumed after step 6 of epoch 1
     assert SyncPoints([], 7).stops(3, 0) == [7]
+    # Splits trained whole (compressed files: batches [0, 5), [5, 9), [9, 10)) move each
+    # point to the end of its split, and a callback whose point was passed is told there.
+    every4, every6 = Every(4), Every(6)
+    told = []
+    every4.on_train_sync = every6.on_train_sync = lambda e, step, logs: told.append(step)
+    points = SyncPoints([every4, every6], steps_per_epoch=10)
+    stops = points.stops(0, 0, sync_point=lambda step: 5 if step <= 5 else 9 if step <= 9
+                         else 10)
+    assert stops == [5, 9, 10]
+    for since, stop in zip([0] + stops, stops):
+        points.synchronised(0, stop, {}, since)
+    assert told == [5, 9, 9]  # every4: 4 at 5, 8 at 9; every6: 6 at 9
 
 
 def crashed_backup(strategy, backup_dir):

@@ -8,17 +8,24 @@ Both are read in blocks through `tf.io.gfile` (local paths, `gs://`, `ram://`;
 1 MB blocks for TFRecord headers, 16 MB for text): a TFRecord record larger
 than a block is skipped by seeking, so large records cost their headers only.
 
+A compressed file (GZIP or ZLIB) cannot be entered at a record: its index is
+its number of records only, counted by one whole, decompressing read through
+TensorFlow's own reader (`TFRecordDataset`/`TextLineDataset` with the
+pipeline's `compression_type`), so the count is what the workers' reader will
+yield, quirks included (TensorFlow reads one ZLIB stream, gzip members on).
+
 `index_files` indexes files in parallel and keeps each file's index in this
-process, keyed by the path, size and modification time: a file that changed
-is indexed again. Given a cache folder (beside `kfit-ps run --backup-dir`'s
-backups), it also keeps each index there, so a restarted chief reads it
-instead of the files: a `.npz` file named by a hash of the key, holding the
+process, keyed by the path, size, modification time and compression: a file
+that changed is indexed again. Given a cache folder (beside `kfit-ps run
+--backup-dir`'s backups), it also keeps each index there, so a restarted
+chief reads it instead of the files: a `.npz` file named by a hash of the key, holding the
 key and the format's version, written under a temporary name and renamed
 when complete.
 """
 
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import io
 import os
@@ -36,31 +43,36 @@ _HEADER = 12  # 8-byte length, 4-byte CRC of the length.
 _FOOTER = 4  # CRC of the data.
 
 
+_COUNTED_BATCH = 4096  # Records a compressed file's count adds up at once.
+COMPRESSIONS = ("GZIP", "ZLIB")
+
+
 @dataclasses.dataclass(frozen=True)
 class FileIndex:
-    """The records of one file: `offsets[i]` is where record `i` starts (bytes)."""
+    """The records of one file: `offsets[i]` is where record `i` starts (bytes); a
+    compressed file has `records` and no offsets (None): it is read from its start."""
 
     path: str
     size: int
     mtime_ns: int
-    offsets: np.ndarray  # int64, ascending
-
-    @property
-    def records(self):
-        return len(self.offsets)
+    records: int
+    offsets: np.ndarray = None  # int64, ascending; None for a compressed file
+    compression: str = ""
 
 
 _cache = {}
 _cache_lock = threading.Lock()
 
 
-def index_files(paths, kind, skip=0, threads=8, cache_dir=None):
+def index_files(paths, kind, skip=0, threads=8, cache_dir=None, compression=""):
     """`(indexes, seconds)`: a `FileIndex` per path, in order, without each file's first
     `skip` records (a header line), and the time reading the files took (0 when every index
-    was cached, here or in `cache_dir`)."""
+    was cached, here or in `cache_dir`). `compression`: the readers' `compression_type`
+    ("", or one of `COMPRESSIONS`: each file's records are then counted, not found)."""
     start = time.monotonic()
     stats = [tf.io.gfile.stat(path) for path in paths]
-    keys = [(kind, path, stat.length, stat.mtime_nsec) for path, stat in zip(paths, stats)]
+    keys = [(kind, compression, path, stat.length, stat.mtime_nsec)
+            for path, stat in zip(paths, stats)]
     with _cache_lock:
         missing = [key for key in dict.fromkeys(keys) if key not in _cache]
     stored = {key: _load(cache_dir, key) for key in missing} if cache_dir else {}
@@ -68,17 +80,54 @@ def index_files(paths, kind, skip=0, threads=8, cache_dir=None):
         _cache.update((key, offsets) for key, offsets in stored.items() if offsets is not None)
     missing = [key for key in missing if stored.get(key) is None]
     if missing:
-        reader = _tfrecord_offsets if kind == TFRECORD else _line_offsets
+        if compression:
+            count = _record_counter(kind, compression)
+            reader = lambda path, size: _count_records(count, path, kind, compression)  # noqa
+        else:
+            reader = _tfrecord_offsets if kind == TFRECORD else _line_offsets
         with concurrent.futures.ThreadPoolExecutor(min(threads, len(missing))) as pool:
-            found = dict(zip(missing, pool.map(lambda key: reader(key[1], key[2]), missing)))
+            found = dict(zip(missing, pool.map(lambda key: reader(key[2], key[3]), missing)))
         with _cache_lock:
             _cache.update(found)
         for key, offsets in found.items():
             if cache_dir:
                 _store(cache_dir, key, offsets)
     with _cache_lock:
-        indexes = [FileIndex(key[1], key[2], key[3], _cache[key][skip:]) for key in keys]
+        found = [_cache[key] for key in keys]
+    indexes = [FileIndex(*key[2:], records=max(int(value) - skip, 0), compression=compression)
+               if compression else FileIndex(*key[2:], records=len(value[skip:]),
+                                             offsets=value[skip:])
+               for key, value in zip(keys, found)]
     return indexes, (time.monotonic() - start if missing else 0.0)
+
+
+@functools.lru_cache(maxsize=None)
+def _record_counter(kind, compression):
+    """A function of a file's path: its number of records, read whole (decompressed) by
+    TensorFlow's own reader, in blocks of `_COUNTED_BATCH` records (one by one, tf.data
+    spends 20x longer per record). Traced once per kind and compression."""
+    read = tf.data.TFRecordDataset if kind == TFRECORD else tf.data.TextLineDataset
+
+    @tf.function(input_signature=[tf.TensorSpec([], tf.string)])
+    def count(path):
+        records = read(path, compression_type=compression, buffer_size=_BLOCK)
+        return records.batch(_COUNTED_BATCH).reduce(
+            tf.constant(0, tf.int64), lambda total, block: total + tf.size(block, tf.int64))
+
+    return count
+
+
+def _count_records(count, path, kind, compression):
+    """Records of the compressed file `path`, or a ValueError naming it."""
+    try:
+        return int(count(tf.constant(path)))
+    except (tf.errors.DataLossError, tf.errors.InvalidArgumentError) as e:
+        said = str(e).strip().splitlines()[0][:200]
+        raise ValueError(
+            f"{path} cannot be read as a {compression}-compressed {kind} file: TensorFlow says "
+            f"{said!r}. Received: compression_type={compression!r}. Pass the compression "
+            "its files were written with to the reader (`compression_type='GZIP'`, 'ZLIB' or "
+            "'' for none), one per pipeline.") from None
 
 
 def _tfrecord_offsets(path, size):
@@ -98,9 +147,9 @@ def _tfrecord_offsets(path, size):
         if position != size:
             raise ValueError(
                 f"{path} is not a TFRecord file (or it is compressed, or truncated): its "
-                f"record headers end at byte {position}, the file has {size} bytes. Pass "
-                "uncompressed TFRecord files (compressed ones are not read by batch: stream "
-                "them with `steps_per_epoch`).")
+                f"record headers end at byte {position}, the file has {size} bytes. Received: "
+                "compression_type='' (none). Pass the compression it was written with to the "
+                "reader (`TFRecordDataset(files, compression_type='GZIP')`, or 'ZLIB').")
     return np.asarray(offsets, np.int64)
 
 
@@ -135,7 +184,7 @@ def _only_carriage_returns(path, start):
                 return False
 
 
-_CACHE_VERSION = 2  # Bumped whenever indexing rules change: older files are not read.
+_CACHE_VERSION = 3  # Bumped whenever indexing rules change: older files are not read.
 
 
 def _cache_path(cache_dir, key):
@@ -144,26 +193,29 @@ def _cache_path(cache_dir, key):
 
 
 def _load(cache_dir, key):
-    """The offsets stored for `key` in `cache_dir`, or None: the file stores the format's
-    version and the whole key with them. Any failure to read is None (the cache only saves
-    time: an unreadable file is indexed again)."""
+    """The offsets (a compressed file's: its record count) stored for `key` in `cache_dir`,
+    or None: the file stores the format's version and the whole key with them. Any failure
+    to read is None (the cache only saves time: an unreadable file is indexed again)."""
     try:
         with tf.io.gfile.GFile(_cache_path(cache_dir, key), "rb") as f:
             stored = np.load(io.BytesIO(f.read()), allow_pickle=False)
             same = (int(stored["version"]) == _CACHE_VERSION
                     and str(stored["key"]) == repr(key))
-            return stored["offsets"] if same else None
+            if not same:
+                return None
+            return int(stored["records"]) if "records" in stored.files else stored["offsets"]
     except Exception:  # noqa: BLE001 - missing, partial, empty, foreign: not a cached index
         return None
 
 
 def _store(cache_dir, key, offsets):
-    """Writes `offsets` for `key` under a temporary name, then renames it: a reader finds a
-    complete index or none. A failure (a full disk, no permission) is not the fit's: the
-    index is then only in this process."""
+    """Writes `offsets` (or a compressed file's record count) for `key` under a temporary
+    name, then renames it: a reader finds a complete index or none. A failure (a full disk,
+    no permission) is not the fit's: the index is then only in this process."""
     buffer = io.BytesIO()
-    np.savez(buffer, version=np.asarray(_CACHE_VERSION), key=np.asarray(repr(key)),
-             offsets=offsets)
+    found = {"offsets": offsets} if isinstance(offsets, np.ndarray) else {
+        "records": np.asarray(offsets, np.int64)}
+    np.savez(buffer, version=np.asarray(_CACHE_VERSION), key=np.asarray(repr(key)), **found)
     path = _cache_path(cache_dir, key)
     partial = f"{path}.{uuid.uuid4().hex}.partial"
     try:

@@ -21,10 +21,14 @@ batch index like the ledger's other sources:
   range, and split into lines), and the pipeline's own steps after its
   reader (`_tf_compat.dataset_graph.replay`) make the batch.
 
-Refused, with the reason (`NotFiles`): compressed files (they cannot be
-entered mid-file), steps after the reader other than `map`, one batch and
-`prefetch` (`filter`, `take`, `skip`, `cache`, `unbatch`...), a shuffle of
-records or batches, a batched file list.
+Compressed files (the reader's `compression_type` "GZIP" or "ZLIB") cannot be
+entered mid-file: each is one split of its own batches, read whole from its
+start (`whole_files`).
+
+Refused, with the reason (`NotFiles`): a `compression_type` other than "",
+"GZIP" and "ZLIB", or one computed per file; steps after the reader other
+than `map`, one batch and `prefetch` (`filter`, `take`, `skip`, `cache`,
+`unbatch`...), a shuffle of records or batches, a batched file list.
 """
 
 import os
@@ -35,9 +39,10 @@ import numpy as np
 import tensorflow as tf
 
 from kfit_ps import _tf_compat, constants
+from kfit_ps.ledger import whole_files
 from kfit_ps.ledger.batched import Batched, epoch_permutation
 from kfit_ps._tf_compat import dataset_graph
-from kfit_ps.ledger.file_index import TEXT, TFRECORD, index_files
+from kfit_ps.ledger.file_index import COMPRESSIONS, TEXT, TFRECORD, index_files
 
 _READERS = {"TFRecordDataset": TFRECORD, "TFRecordDatasetV2": TFRECORD, "TextLineDataset": TEXT}
 _PER_FILE = {"FlatMapDataset", "InterleaveDataset", "ParallelInterleaveDataset",
@@ -92,11 +97,12 @@ class _Function:
 
 def _per_file_reader(library, name):
     """`(kind, compression, skip)` when the library function `name` maps one file name to
-    its records (a reader of its argument, possibly after a per-file `skip`), else None."""
+    its records (a reader of its argument, possibly after a per-file `skip`), else None.
+    Raises `NotFiles` for a reader whose `compression_type` is not a constant."""
     if name not in library:
         return None
     function = library[name]
-    if len(function.args) != 1:
+    if not function.args:
         return None
     node, skip = function.source(function.output), 0
     if getattr(node, "op", None) == "SkipDataset":
@@ -104,15 +110,22 @@ def _per_file_reader(library, name):
         if count is None or int(count) < 0:
             return None
         node, skip = function.source(node.input[0]), int(count)
-    op = getattr(node, "op", None)
+    op, found = getattr(node, "op", None), None
     if op in _READERS:
         if function.source(node.input[0]) != function.args[0]:
             return None
         compression = function.constant(node.input[1])
-        if compression is None:
-            return None
-        return _READERS[op], compression.item().decode(), skip
-    if op == "FlatMapDataset":  # The per-file reader of `TFRecordDataset(name)`.
+        if compression is None:  # (A value captured from the caller has no op here.)
+            made_by = getattr(function.source(node.input[1]), "op", None)
+            raise NotFiles(
+                f"its {op}'s `compression_type` is computed per file (by "
+                f"{'a ' + made_by if made_by else 'the per-file function'}), and a compressed "
+                "file is read whole while an uncompressed one is read by record range. "
+                "Received: compression_type=<a tensor computed per file>. Pass one constant "
+                "compression_type for all the files of a pipeline ('', 'GZIP' or 'ZLIB'): "
+                "write them with one compression, or train each kind in its own fit")
+        found = _READERS[op], compression.item().decode(), skip
+    elif op == "FlatMapDataset":  # The per-file reader of `TFRecordDataset(name)`.
         files = function.source(node.input[0])
         if getattr(files, "op", None) != "TensorSliceDataset" or \
                 function.source(files.input[0]) != function.args[0]:
@@ -120,8 +133,9 @@ def _per_file_reader(library, name):
         inner = _per_file_reader(library, node.attr["f"].func.name)
         if inner is None:
             return None
-        return inner[0], inner[1], inner[2] + skip
-    return None
+        found = inner[0], inner[1], inner[2] + skip
+    # A function of more than the file name may read other files or records.
+    return found if len(function.args) == 1 else None
 
 
 def _ops_below(nodes, name):
@@ -138,7 +152,8 @@ def _ops_below(nodes, name):
 
 
 class FileSource(Batched):
-    """Records of files read by batch index: each batch's reader seeks to its first record."""
+    """Records of files read by batch index: each batch's reader seeks to its first record
+    (compressed files: each file one split, read from its start)."""
 
     kind = "files"
 
@@ -167,10 +182,13 @@ class FileSource(Batched):
                 if node.op not in _PER_FILE else
                 "its per-file function is not a TFRecordDataset or TextLineDataset of the "
                 "file name (with at most a `skip(n)` of header records)")
-        self.record_kind, compression, self.skip = reader
-        if compression:
-            raise NotFiles(f"its files are {compression}-compressed: a compressed file cannot "
-                           "be entered at a record (decompress them to read them by batch)")
+        self.record_kind, self.compression, self.skip = reader
+        if self.compression and self.compression not in COMPRESSIONS:
+            raise NotFiles(
+                f"its reader's compression_type is {self.compression!r}: files are read by "
+                "record range when uncompressed (''), and whole when 'GZIP' or 'ZLIB'. "
+                f"Received: compression_type={self.compression!r}. Write the files "
+                "uncompressed or with GZIP or ZLIB, and pass that compression_type")
         batches = [step for step in steps if step.op in _BATCHES]
         if len(batches) != 1:
             raise NotFiles(f"it batches {len(batches)} times after its reader (one `batch` "
@@ -195,35 +213,37 @@ class FileSource(Batched):
         if not names:
             raise NotFiles("its file list is empty")
         backup = constants.launcher_backup()  # A restarted chief reads the index there.
-        indexes, seconds = index_files(names, self.record_kind, self.skip, cache_dir=(
-            os.path.join(backup[0], "file-index") if backup else None))
+        indexes, seconds = index_files(
+            names, self.record_kind, self.skip, compression=self.compression,
+            cache_dir=os.path.join(backup[0], "file-index") if backup else None)
         self._indexes = indexes
         sizes = np.asarray([index.size for index in indexes], np.int64)
         counts = np.asarray([index.records for index in indexes], np.int64)
         self.num_examples = int(counts.sum())
-        if drop_remainder:
+        self._whole = None
+        if self.compression:  # Each file its own batches, one split.
+            self._whole = whole_files.WholeFiles(counts, self.batch_size, drop_remainder)
+            self.num_examples = self._whole.num_examples
+        elif drop_remainder:
             self.num_examples -= self.num_examples % self.batch_size
         if self.num_examples == 0:
+            each = " (each compressed file makes its own batches)" if self.compression else ""
             raise NotFiles(f"its {len(names)} file(s) hold {int(counts.sum())} records, no "
-                           f"batch of {self.batch_size}" if drop_remainder else
+                           f"batch of {self.batch_size}{each}" if drop_remainder else
                            f"its {len(names)} file(s) hold no record")
+        self.seed = zlib.crc32(f"{names}/{self.num_examples}/{self.batch_size}".encode())
+        self.files = names
+        self._say_costs(sizes, counts, seconds)
+        if self._whole is not None:
+            self.num_batches = self._whole.num_batches
+            self.last_size = int(self.whole_splits(0).examples[-1] % self.batch_size
+                                 or self.batch_size)
+            self.tables = {"paths": np.asarray(names, object), **self._whole.tables()}
+            return
         self.num_batches = -(-self.num_examples // self.batch_size)
         self.last_size = self.num_examples - (self.num_batches - 1) * self.batch_size
         # Permuted each epoch when shuffled: the full batches (a short last one stays last).
         self._full_batches = self.num_batches - (self.last_size < self.batch_size)
-        largest = int(sizes.argmax())
-        if self.record_kind == TEXT and sizes[largest] >= _REPORTED_BYTES:
-            _tf_compat.print_msg(
-                f"kfit_ps: reading a batch of a text file reads the file from its start to the "
-                f"batch (TensorFlow's readers cannot seek in text): {names[largest]} "
-                f"({sizes[largest] / 2**20:.0f} MB) costs up to that much per batch. Split "
-                "large text files into files of a few MB, or write TFRecord files (read from "
-                "each batch's byte offset).")
-        if sizes.sum() >= _REPORTED_BYTES and seconds:
-            gigabytes = sizes.sum() / 1e9
-            _tf_compat.print_msg(
-                f"kfit_ps: indexed {len(names)} {self.record_kind} files ({gigabytes:.2f} GB, "
-                f"{counts.sum():,} records) in {seconds:.1f} s ({seconds / gigabytes:.1f} s/GB).")
 
         # Where each batch's first record is (file, byte), and the end of the data after them.
         offsets = np.concatenate([index.offsets for index in indexes])
@@ -237,10 +257,52 @@ class FileSource(Batched):
             batch_file[-1] = len(names)
         first = np.asarray([index.offsets[0] if index.records else index.size
                             for index in indexes], np.int64)
-        self.seed = zlib.crc32(f"{names}/{self.num_examples}/{self.batch_size}".encode())
         self.tables = {"paths": np.asarray(names, object), "sizes": sizes, "first": first,
                         "batch_file": batch_file, "batch_offset": batch_offset}
-        self.files = names
+
+    def _say_costs(self, sizes, counts, seconds):
+        """Says what indexing took, and what reading a large uncompressed text file costs."""
+        names = self.files
+        largest = int(sizes.argmax())
+        if self.record_kind == TEXT and not self.compression and \
+                sizes[largest] >= _REPORTED_BYTES:
+            _tf_compat.print_msg(
+                f"kfit_ps: reading a batch of a text file reads the file from its start to the "
+                f"batch (TensorFlow's readers cannot seek in text): {names[largest]} "
+                f"({sizes[largest] / 2**20:.0f} MB) costs up to that much per batch. Split "
+                "large text files into files of a few MB, or write TFRecord files (read from "
+                "each batch's byte offset).")
+        if sizes.sum() >= _REPORTED_BYTES and seconds:
+            gigabytes = sizes.sum() / 1e9
+            whole = (": each compressed file is read whole, decompressed, to count its records"
+                     if self.compression else "")
+            _tf_compat.print_msg(
+                f"kfit_ps: indexed {len(names)} {self._files_kind()} files ({gigabytes:.2f} GB, "
+                f"{counts.sum():,} records) in {seconds:.1f} s ({seconds / gigabytes:.1f} s/GB)"
+                f"{whole}.")
+
+    def _files_kind(self):
+        """"TFRecord", "text", or e.g. "GZIP-compressed TFRecord"."""
+        if not self.compression:
+            return self.record_kind
+        return f"{self.compression}-compressed {self.record_kind}"
+
+    def whole_splits(self, epoch):
+        """Compressed files: `epoch`'s splits, one per file with a batch (in the epoch's
+        order of files); None for uncompressed files (record ranges, cut anywhere)."""
+        if self._whole is None:
+            return None
+        return self._whole.splits(epoch, self._seed_if_shuffled())
+
+    def _seed_if_shuffled(self):
+        return self.seed if self.shuffle else None
+
+    def examples_in(self, first, count):
+        """Examples in batches `[first, first + count)` (compressed files: of one file, in
+        epoch 0's order of files: `whole_splits(epoch)` has each epoch's)."""
+        if self._whole is None:
+            return super().examples_in(first, count)
+        return self.whole_splits(0).examples_in(first, count)
 
     def worker_data(self, coordinator):
         """Each worker's copy of the file list and the batch table (sent once)."""
@@ -248,10 +310,39 @@ class FileSource(Batched):
         return coordinator.create_per_worker_dataset(
             lambda: tf.data.Dataset.from_tensors(tables)).build()
 
+    def split_reader(self, data, first, epoch):
+        """`next_batch(j)` for the function that trains the split from batch `first`: for
+        compressed files, the batches of the split's file in turn, read from its start by
+        one reader (see `whole_files`); else each batch read by its index."""
+        if self._whole is None:
+            return super().split_reader(data, first, epoch)
+        tables = tf.data.experimental.at(data, 0)
+        file, before = self._whole.locate(tables, tf.cast(first, tf.int64), epoch,
+                                          self._seed_if_shuffled())
+        path = tables["paths"][file]
+        records = whole_files.records(path, self.record_kind, self.compression,
+                                      self.skip + before * self.batch_size)
+        batches = iter(dataset_graph.replay(self._graph, self._output, self._root, records,
+                                            self.element_spec))
+
+        def next_batch(j):
+            del j  # The next one.
+            batch = batches.get_next_as_optional()
+            found = tf.debugging.Assert(batch.has_value(), [
+                "kfit_ps: the file holds fewer batches than its index counted (did it change "
+                "after `fit` indexed it?):", path])
+            with tf.control_dependencies([found]):
+                return tf.nest.map_structure(tf.identity, batch.get_value())
+
+        return next_batch
+
     def read(self, data, batch, epoch):
         """Batch `batch` (int64 scalar tensor) of epoch `epoch`, inside a function: its
-        records from their byte offset, through the pipeline's steps after its reader."""
+        records from their byte offset, through the pipeline's steps after its reader (a
+        compressed file's: read from the file's start)."""
         batch = tf.cast(batch, tf.int64)
+        if self._whole is not None:
+            return self.split_reader(data, batch, epoch)(0)
         if self.shuffle and self._full_batches > 1:  # The epoch's permutation of batches.
             permuted = epoch_permutation(tf.minimum(batch, self._full_batches - 1), self.seed,
                                          epoch, self._full_batches)
@@ -303,16 +394,18 @@ class FileSource(Batched):
 
     def describe(self):
         """What identifies the data: the files (names, sizes, modification times: a
-        fingerprint, and up to `_LISTED_FILES` of them listed), the records skipped per file,
-        the batch size, the shuffle and its seed."""
+        fingerprint, and up to `_LISTED_FILES` of them listed), their compression, the records
+        skipped per file, the batch size, the shuffle and its seed."""
         crc = zlib.crc32(f"{self.record_kind}/{self.skip}".encode())
+        if self.compression:  # (Uncompressed: the fingerprint of earlier backups.)
+            crc = zlib.crc32(self.compression.encode(), crc)
         for index in self._indexes:
             crc = zlib.crc32(f"{index.path}\x1f{index.size}\x1f{index.mtime_ns}\x1e".encode(),
                              crc)
         total = sum(index.size for index in self._indexes)
         return {"kind": self.kind, "batches": self.num_batches, "examples": self.num_examples,
                 "batch_size": self.batch_size, "shuffle": self.shuffle, "seed": self.seed,
-                "files": f"{len(self._indexes)} {self.record_kind} files, {total} bytes",
+                "files": f"{len(self._indexes)} {self._files_kind()} files, {total} bytes",
                 "fingerprint": f"{crc:08x}",
                 **({"file_list": [[i.path, i.size, i.mtime_ns] for i in self._indexes]}
                    if len(self._indexes) <= _LISTED_FILES else {})}

@@ -1,11 +1,15 @@
 """The ledger of a one-pass epoch: which splits of the data were trained, and how often.
 
 `fit` on finite data without `steps_per_epoch` cuts each epoch into splits of
-`steps_per_execution` batches of a `sources` source. The coordinator hands
-each split to one scheduled function (`dispatched`); a split counts as
-trained once its function finished, which `fit` knows at its next
-synchronisation (`joined`). TensorFlow re-runs the function of a worker that
-died; the ps-side `Attempts` counters tell which splits ran more than once.
+`steps_per_execution` batches of a `sources` source (`split_at`), except where
+the source has runs of batches that one function must train whole (a
+compressed file's, `Batched.whole_splits`): each such run is one split,
+whatever its length, and a synchronisation due inside it waits for its end
+(`sync_point`). The coordinator hands each split to one scheduled function
+(`dispatched`); a split counts as trained once its function finished, which
+`fit` knows at its next synchronisation (`joined`). TensorFlow re-runs the
+function of a worker that died; the ps-side `Attempts` counters tell which
+splits ran more than once.
 
 What is exact and what is bounded (docs/training_input.md):
 
@@ -39,7 +43,9 @@ class Rerun:
     examples: int
 
     def positions(self, batch_size):
-        """Example positions `(start, stop)` of this split in the epoch's order."""
+        """Example positions `(start, stop)` of this split in the epoch's order, when every
+        batch before it holds `batch_size` examples (not after a compressed file's short
+        last batch: `examples` is exact either way)."""
         return self.first_batch * batch_size, self.first_batch * batch_size + self.examples
 
 
@@ -96,6 +102,9 @@ class Ledger:
         self.source = source
         self.split_size = int(split_size)
         self.attempts = Attempts(strategy, source.num_batches)
+        self._whole = source.whole_splits(0)  # Each epoch's from `begin_epoch` on.
+        # Whether functions train splits whole, of any length (read in one stream).
+        self.whole = self._whole is not None
         self.reports = []
         self._epoch = None
         self._first = 0
@@ -109,7 +118,20 @@ class Ledger:
     def begin_epoch(self, epoch, first_batch):
         self._epoch, self._first = epoch, first_batch
         self._pending, self._done = [], []
+        self._whole = self.source.whole_splits(epoch)
         self.attempts.reset()
+
+    def split_at(self, first):
+        """The batches of the split that starts at batch `first`: `split_size`, or the rest
+        of the whole split that holds it (the epoch's end bounds both)."""
+        if self._whole is None:
+            return min(self.split_size, self.source.num_batches - first)
+        return self._whole.end(first) - first
+
+    def sync_point(self, step):
+        """Where a synchronisation asked for after `step` batches can be: the first split
+        boundary at or after it (`step` itself but inside a whole split)."""
+        return step if self._whole is None else self._whole.boundary(step)
 
     def dispatched(self, first_batch, sizes):
         """Records functions scheduled for consecutive splits from `first_batch`."""
@@ -134,14 +156,17 @@ class Ledger:
             covered[first:first + n] = True
             count = int(starts[first])
             if count > 1:
-                reruns.append(Rerun(first, n, count, self.source.examples_in(first, n)))
+                examples = (self.source.examples_in(first, n) if self._whole is None
+                            else self._whole.examples_in(first, n))
+                reruns.append(Rerun(first, n, count, examples))
             else:
                 once += 1
         lost_batches = np.flatnonzero(~covered)
         report = EpochReport(
             epoch=self._epoch, splits=len(self._done), batches=self.source.num_batches,
             first_batch=self._first, trained_once=once, reruns=tuple(reruns),
-            lost=_splits(lost_batches, self.split_size))
+            lost=_splits(lost_batches, self.split_size) if self._whole is None
+            else self._whole.splits_holding(lost_batches))
         self.reports.append(report)
         return report
 

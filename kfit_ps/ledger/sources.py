@@ -20,7 +20,8 @@ split. Two kinds of source allow that:
   instead: an unknown length (`filter`: stream it with `steps_per_epoch`)
   and `shuffle` (each worker would draw its own order).
 - `files.FileSource`: a pipeline over TFRecord or text files, whose length
-  follows from an index of the files' records (`files`).
+  follows from an index of the files' records (`files`); compressed files are
+  read whole, each one split (`whole_files`).
 
 A source's data reaches each worker once (`worker_data`); `read(data, batch,
 epoch)` runs inside the scheduled function.
@@ -83,7 +84,7 @@ def _fingerprint(structure, rows=None):
     return f"{crc:08x}"
 
 
-class ArraySource:
+class ArraySource(Batched):
     """Arrays read by example position: batch `b` gathers its `batch_size` rows."""
 
     kind = "arrays"

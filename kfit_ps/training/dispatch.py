@@ -110,11 +110,14 @@ class Dispatcher:
         if self.iterations is None:  # Read once; then counted (a restored ps resets it).
             self.iterations = self.recovery.iterations()
         iterations = self.iterations
+        # Splits by the ledger: `steps_per_execution` batches, or a compressed file's all.
+        split = self.ledger.split_at if self.ledger is not None else \
+            self.model.steps_per_execution
         while True:
             scheduled = _Scheduled()
             try:
                 schedule_steps(
-                    self.strategy.coordinator, step, stop, self.model.steps_per_execution,
+                    self.strategy.coordinator, step, stop, split,
                     self.train_for(), args, self.callbacks.on_train_batch_begin,
                     self.callbacks.on_train_batch_end, accumulator,
                     should_stop=self.interrupted, observe=self.observe, hooked=hooked,

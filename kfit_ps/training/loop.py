@@ -274,12 +274,15 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                 ledger.begin_epoch(epoch, first)
                 epoch_tensor = tf.constant(epoch, tf.int64)
                 args = lambda step, n, e=epoch_tensor: (  # noqa: E731
-                    data, tf.constant(step, tf.int64), e)
+                    data, tf.constant(step, tf.int64), e, tf.constant(n, tf.int64))
             with progress.joining():
                 step = first
                 if first >= steps_per_epoch:  # Stopped in its validation: trained, logs saved.
                     logs = sync.resume_logs() or {}
-                for stop in sync.stops(epoch, first):
+                since = first
+                # A compressed file's split is trained whole: a window ends after it.
+                for stop in sync.stops(epoch, first,
+                                       ledger.sync_point if ledger is not None else None):
                     step = dispatcher.run(step, stop, args, accumulator)
                     if shipped is not None:
                         shipped.forget_before(step)
@@ -288,8 +291,8 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                     if step < stop:
                         _stop_preempted(sync, epoch, step, logs, steps_per_epoch)
                     guarded(callbacks.on_train_batch_end, stop - 1, dict(logs))
-                    guarded(sync.synchronised, epoch, stop, dict(logs))
-                    step = stop
+                    guarded(sync.synchronised, epoch, stop, dict(logs), since)
+                    step = since = stop
                     if model.stop_training:
                         break
             if evaluation is not None and (epoch + 1) % validation_freq == 0:

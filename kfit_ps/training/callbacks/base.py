@@ -92,8 +92,10 @@ class SyncPoints:
                 return dict(cb.resume_logs())
         return None
 
-    def stops(self, epoch, first):
-        """Sorted steps of `epoch` after which to synchronise (the last is the epoch end)."""
+    def stops(self, epoch, first, sync_point=None):
+        """Sorted steps of `epoch` after which to synchronise (the last is the epoch end);
+        `sync_point(step)`, when given, moves each to where a window may end (the end of a
+        split trained whole: a one-pass epoch over compressed files)."""
         base, points = epoch * self._steps, {self._steps}
         if self._every:
             points.update(range(self._every, self._steps, self._every))
@@ -105,6 +107,8 @@ class SyncPoints:
             while point < base + self._steps:
                 points.add(point - base)
                 point += n
+        if sync_point is not None:
+            points = {sync_point(p) for p in points}
         return sorted(p for p in points if p > first)
 
     def failed(self, error):
@@ -118,9 +122,12 @@ class SyncPoints:
         written = [cb.on_train_preempt(epoch, step, logs) for cb in self._callbacks]
         return [path for path in written if path]
 
-    def synchronised(self, epoch, step, logs):
-        """Tells each due callback that `step` steps of `epoch` are done and applied."""
+    def synchronised(self, epoch, step, logs, since=None):
+        """Tells each due callback that `step` steps of `epoch` are done and applied: each
+        whose `sync_every` has a multiple at `step`, or after the previous synchronisation
+        at `since` (a point moved to the end of a split trained whole)."""
         global_step = epoch * self._steps + step
+        after = global_step - 1 if since is None else epoch * self._steps + since
         for cb in self._callbacks:
-            if cb.sync_every and global_step % cb.sync_every == 0:
+            if cb.sync_every and global_step // cb.sync_every > after // cb.sync_every:
                 cb.on_train_sync(epoch, step, logs)

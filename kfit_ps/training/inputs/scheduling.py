@@ -135,7 +135,8 @@ def metric_logs(model):
 def schedule_steps(coordinator, start, stop, k, function_for, args, on_begin, on_end,
                    accumulator, should_stop=lambda: False, observe=None, hooked=0,
                    scheduled=None):
-    """Schedules steps `start..stop-1` in functions of at most `k` steps.
+    """Schedules steps `start..stop-1` in functions of at most `k` steps (`k`: an int, or a
+    function of a function's first step: its steps, as a ledger's `split_at`).
 
     `args`: the functions' arguments, or a function of the first step and the number
     of steps that returns them. Batch hooks: begin(first step), end(last step) per function, except the
@@ -150,7 +151,7 @@ def schedule_steps(coordinator, start, stop, k, function_for, args, on_begin, on
     """
     step, sizes = start, []
     while step < stop and not should_stop():
-        n = min(k, stop - step)
+        n = min(k(step) if callable(k) else k, stop - step)
         if step >= hooked:
             on_begin(step)
         call_args = args(step, n) if callable(args) else args

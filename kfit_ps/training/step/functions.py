@@ -100,22 +100,27 @@ class ScheduledFunctions:
             self._train_step(), k))
 
     def train_split(self, k, ledger):
-        """`fn(data, first, epoch) -> packed metric state`: training on the `k` batches of a
-        one-pass epoch's split from batch `first`, read from `ledger.source`'s worker data.
+        """`fn(data, first, epoch, count) -> packed metric state`: training on the `k`
+        (`count`) batches of a one-pass epoch's split from batch `first`, read from
+        `ledger.source`'s worker data.
 
         The split's start is counted on a ps (`ledger.attempts`) while its
-        first batch is read; every step waits for that write.
+        first batch is read; every step waits for that write. A ledger whose
+        splits are trained whole (`ledger.whole`: compressed files) has one
+        function for every split, its `count` steps a graph loop.
         """
         strategy, metric_state, source = self._strategy, self.metric_state, ledger.source
+        k = None if ledger.whole else k
 
         def build():
             train_step = self._train_step()
 
-            def run(data, first, epoch):
+            def run(data, first, epoch, count):
                 marked = ledger.attempts.mark(first)
                 state = metric_state.zeros()
-                for j in _step_indices(k):
-                    batch = source.read(data, first + j, epoch)
+                next_batch = source.split_reader(data, first, epoch)
+                for j in (_step_indices(k) if k is not None else tf.range(count)):
+                    batch = next_batch(j)
                     with tf.control_dependencies([marked]):
                         batch = tf.nest.map_structure(tf.identity, batch)
                     state = metric_state.run_replica(strategy, train_step, batch, state)
