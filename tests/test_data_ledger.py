@@ -201,6 +201,25 @@ def test_compressed_files_are_whole_file_splits_of_their_own_batches(tmp_path, m
         make()
 
 
+def test_a_compression_type_given_as_a_tensor_reads_as_its_constant(tmp_path):
+    """A `compression_type` given as a constant tensor (captured by the per-file function of
+    `TFRecordDataset(files, ...)` or of `interleave`) is one compression for every file: GZIP
+    files are whole-file splits, '' reads by record range (one computed per file: refused)."""
+    gzipped = helpers.indexed_files(str(tmp_path / "gz"), "tfrecord", sizes=(300, 7),
+                                    compression="GZIP")
+    plain = helpers.indexed_files(str(tmp_path / "plain"), "tfrecord", sizes=(300, 7))
+    gzip, none = tf.constant("GZIP"), tf.constant("")
+    for dataset in [tf.data.TFRecordDataset(gzipped, compression_type=gzip),
+                    tf.data.Dataset.from_tensor_slices(gzipped).interleave(
+                        lambda path: tf.data.TFRecordDataset(path, gzip))]:
+        source = kfit_ps.ledger.dataset_source(dataset.batch(BATCH), "x")
+        assert source.describe()["files"].startswith("2 GZIP-compressed TFRecord files")
+        assert source.whole_splits(0).starts.tolist() == [0, 2, 3]
+    source = kfit_ps.ledger.dataset_source(
+        tf.data.TFRecordDataset(plain, compression_type=none).batch(BATCH), "x")
+    assert (source.whole_splits(0), source.num_batches) == (None, 2)
+
+
 def test_steps_per_epoch_still_streams(model):
     stream = _dataset().repeat()
     counts, logs = _counts_after(model, lambda: model.fit(

@@ -3,8 +3,8 @@
 `fit` on finite data (numpy arrays, a finite dataset that TensorFlow can
 read by batch index, or a pipeline over TFRecord or text files, GZIP or ZLIB
 ones read whole, a file a split) without `steps_per_epoch` trains one pass per
-epoch: `sources`, `files` and `whole_files` say what data qualifies, `ledger`
-what is counted and promised.
+epoch: `sources`, `files` (its readers: `file_readers`) and `whole_files` say
+what data qualifies, `ledger` what is counted and promised.
 `kfit_ps.ledger.reports(model)` returns the last `fit`'s per-epoch reports.
 """
 

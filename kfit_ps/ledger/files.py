@@ -42,12 +42,10 @@ from kfit_ps import _tf_compat, constants
 from kfit_ps.ledger import whole_files
 from kfit_ps.ledger.batched import Batched, epoch_permutation
 from kfit_ps._tf_compat import dataset_graph
-from kfit_ps.ledger.file_index import COMPRESSIONS, TEXT, TFRECORD, index_files
+from kfit_ps.ledger.file_index import TEXT, TFRECORD, index_files
+from kfit_ps.ledger.file_readers import (PER_FILE, NotFiles, node_name, ops_below,
+                                         per_file_reader)
 
-_READERS = {"TFRecordDataset": TFRECORD, "TFRecordDatasetV2": TFRECORD, "TextLineDataset": TEXT}
-_PER_FILE = {"FlatMapDataset", "InterleaveDataset", "ParallelInterleaveDataset",
-             "ParallelInterleaveDatasetV2", "ParallelInterleaveDatasetV3",
-             "ParallelInterleaveDatasetV4", "LegacyParallelInterleaveDatasetV2"}
 _BATCHES = {"BatchDataset", "BatchDatasetV2", "ParallelBatchDataset", "PaddedBatchDataset",
             "PaddedBatchDatasetV2"}
 _STEPS = _BATCHES | {
@@ -61,96 +59,6 @@ _READ_BUFFER = 256 << 10
 _LISTED_FILES = 1000  # A backup lists up to this many files (beyond: the fingerprint only).
 
 
-class NotFiles(ValueError):
-    """The pipeline is not one that a file source can read by batch; `reason` says why."""
-
-    def __init__(self, reason):
-        super().__init__(reason)
-        self.reason = reason
-
-
-def _name(input_name):
-    return input_name.split(":")[0].lstrip("^")
-
-
-class _Function:
-    """A function of the pipeline's graph library, its nodes by name."""
-
-    def __init__(self, function):
-        self.nodes = {node.name: node for node in function.node_def}
-        self.args = [arg.name for arg in function.signature.input_arg]
-        self.output = _name(function.ret[function.signature.output_arg[0].name])
-
-    def source(self, input_name):
-        """The node behind `input_name`, through `Identity` and `Reshape` (or the arg name)."""
-        name = _name(input_name)
-        while name in self.nodes and self.nodes[name].op in ("Identity", "Reshape"):
-            name = _name(self.nodes[name].input[0])
-        return self.nodes.get(name, name)
-
-    def constant(self, input_name):
-        node = self.source(input_name)
-        if getattr(node, "op", None) != "Const":
-            return None
-        return tf.make_ndarray(node.attr["value"].tensor)
-
-
-def _per_file_reader(library, name):
-    """`(kind, compression, skip)` when the library function `name` maps one file name to
-    its records (a reader of its argument, possibly after a per-file `skip`), else None.
-    Raises `NotFiles` for a reader whose `compression_type` is not a constant."""
-    if name not in library:
-        return None
-    function = library[name]
-    if not function.args:
-        return None
-    node, skip = function.source(function.output), 0
-    if getattr(node, "op", None) == "SkipDataset":
-        count = function.constant(node.input[1])
-        if count is None or int(count) < 0:
-            return None
-        node, skip = function.source(node.input[0]), int(count)
-    op, found = getattr(node, "op", None), None
-    if op in _READERS:
-        if function.source(node.input[0]) != function.args[0]:
-            return None
-        compression = function.constant(node.input[1])
-        if compression is None:  # (A value captured from the caller has no op here.)
-            made_by = getattr(function.source(node.input[1]), "op", None)
-            raise NotFiles(
-                f"its {op}'s `compression_type` is computed per file (by "
-                f"{'a ' + made_by if made_by else 'the per-file function'}), and a compressed "
-                "file is read whole while an uncompressed one is read by record range. "
-                "Received: compression_type=<a tensor computed per file>. Pass one constant "
-                "compression_type for all the files of a pipeline ('', 'GZIP' or 'ZLIB'): "
-                "write them with one compression, or train each kind in its own fit")
-        found = _READERS[op], compression.item().decode(), skip
-    elif op == "FlatMapDataset":  # The per-file reader of `TFRecordDataset(name)`.
-        files = function.source(node.input[0])
-        if getattr(files, "op", None) != "TensorSliceDataset" or \
-                function.source(files.input[0]) != function.args[0]:
-            return None
-        inner = _per_file_reader(library, node.attr["f"].func.name)
-        if inner is None:
-            return None
-        found = inner[0], inner[1], inner[2] + skip
-    # A function of more than the file name may read other files or records.
-    return found if len(function.args) == 1 else None
-
-
-def _ops_below(nodes, name):
-    """The ops of node `name` and of every node it reads from."""
-    ops, stack, seen = set(), [name], set()
-    while stack:
-        node = nodes[stack.pop()]
-        if node.name in seen:
-            continue
-        seen.add(node.name)
-        ops.add(node.op)
-        stack.extend(_name(i) for i in node.input if _name(i) in nodes)
-    return ops
-
-
 class FileSource(Batched):
     """Records of files read by batch index: each batch's reader seeks to its first record
     (compressed files: each file one split, read from its start)."""
@@ -160,13 +68,11 @@ class FileSource(Batched):
     def __init__(self, dataset):
         graph, output = dataset_graph.pipeline_graph(dataset)
         nodes = {node.name: node for node in graph.node}
-        library = {f.signature.name: _Function(f) for f in graph.library.function}
         steps, node = [], nodes[output]
         while node.op in _STEPS:
             steps.append(node)
-            node = nodes[_name(node.input[0])]
-        reader = (_per_file_reader(library, node.attr["f"].func.name)
-                  if node.op in _PER_FILE else None)
+            node = nodes[node_name(node.input[0])]
+        reader = per_file_reader(graph, nodes, node)
         if node.op in _SHUFFLES:
             raise NotFiles(
                 f"it shuffles its records or batches ({node.op}): each worker would draw its "
@@ -179,16 +85,13 @@ class FileSource(Batched):
                 "`map`, one `batch` or `padded_batch` and `prefetch` were expected (a step such "
                 "as `filter`, `take`, `skip`, `cache` or `unbatch` changes which records or "
                 "batches there are), so its batches cannot be found in the files"
-                if node.op not in _PER_FILE else
+                if node.op not in PER_FILE else
                 "its per-file function is not a TFRecordDataset or TextLineDataset of the "
                 "file name (with at most a `skip(n)` of header records)")
         self.record_kind, self.compression, self.skip = reader
-        if self.compression and self.compression not in COMPRESSIONS:
-            raise NotFiles(
-                f"its reader's compression_type is {self.compression!r}: files are read by "
-                "record range when uncompressed (''), and whole when 'GZIP' or 'ZLIB'. "
-                f"Received: compression_type={self.compression!r}. Write the files "
-                "uncompressed or with GZIP or ZLIB, and pass that compression_type")
+        refused = whole_files.refused(self.compression)
+        if refused:
+            raise NotFiles(refused)
         batches = [step for step in steps if step.op in _BATCHES]
         if len(batches) != 1:
             raise NotFiles(f"it batches {len(batches)} times after its reader (one `batch` "
@@ -198,7 +101,7 @@ class FileSource(Batched):
         self._graph, self._output, self._root = graph, output, node.name
         self.element_spec = dataset.element_spec
 
-        files_node = _name(node.input[0])
+        files_node = node_name(node.input[0])
         shapes = nodes[files_node].attr["output_shapes"].list.shape
         if len(shapes) != 1 or len(shapes[0].dim) or shapes[0].unknown_rank:
             raise NotFiles(f"its file list ({nodes[files_node].op}) is not one file name per "
@@ -207,7 +110,7 @@ class FileSource(Batched):
             graph, files_node, tf.TensorSpec([], tf.string)).as_numpy_iterator()]
         # A shuffled file list (`list_files`' default, or `shuffle` of the names) asks for a
         # new order each epoch: the names are sorted, and the batches permuted per epoch.
-        self.shuffle = bool(_ops_below(nodes, files_node) & set(_SHUFFLES))
+        self.shuffle = bool(ops_below(nodes, files_node) & set(_SHUFFLES))
         if self.shuffle:
             names.sort()
         if not names:
@@ -276,16 +179,11 @@ class FileSource(Batched):
             gigabytes = sizes.sum() / 1e9
             whole = (": each compressed file is read whole, decompressed, to count its records"
                      if self.compression else "")
+            kind = whole_files.files_kind(self.record_kind, self.compression)
             _tf_compat.print_msg(
-                f"kfit_ps: indexed {len(names)} {self._files_kind()} files ({gigabytes:.2f} GB, "
+                f"kfit_ps: indexed {len(names)} {kind} files ({gigabytes:.2f} GB, "
                 f"{counts.sum():,} records) in {seconds:.1f} s ({seconds / gigabytes:.1f} s/GB)"
                 f"{whole}.")
-
-    def _files_kind(self):
-        """"TFRecord", "text", or e.g. "GZIP-compressed TFRecord"."""
-        if not self.compression:
-            return self.record_kind
-        return f"{self.compression}-compressed {self.record_kind}"
 
     def whole_splits(self, epoch):
         """Compressed files: `epoch`'s splits, one per file with a batch (in the epoch's
@@ -316,25 +214,12 @@ class FileSource(Batched):
         one reader (see `whole_files`); else each batch read by its index."""
         if self._whole is None:
             return super().split_reader(data, first, epoch)
-        tables = tf.data.experimental.at(data, 0)
-        file, before = self._whole.locate(tables, tf.cast(first, tf.int64), epoch,
-                                          self._seed_if_shuffled())
-        path = tables["paths"][file]
-        records = whole_files.records(path, self.record_kind, self.compression,
-                                      self.skip + before * self.batch_size)
-        batches = iter(dataset_graph.replay(self._graph, self._output, self._root, records,
-                                            self.element_spec))
-
-        def next_batch(j):
-            del j  # The next one.
-            batch = batches.get_next_as_optional()
-            found = tf.debugging.Assert(batch.has_value(), [
-                "kfit_ps: the file holds fewer batches than its index counted (did it change "
-                "after `fit` indexed it?):", path])
-            with tf.control_dependencies([found]):
-                return tf.nest.map_structure(tf.identity, batch.get_value())
-
-        return next_batch
+        return self._whole.split_reader(
+            tf.data.experimental.at(data, 0), first, epoch, self._seed_if_shuffled(),
+            lambda path, records: dataset_graph.replay(
+                self._graph, self._output, self._root, whole_files.records(
+                    path, self.record_kind, self.compression, self.skip + records),
+                self.element_spec))
 
     def read(self, data, batch, epoch):
         """Batch `batch` (int64 scalar tensor) of epoch `epoch`, inside a function: its
@@ -403,9 +288,10 @@ class FileSource(Batched):
             crc = zlib.crc32(f"{index.path}\x1f{index.size}\x1f{index.mtime_ns}\x1e".encode(),
                              crc)
         total = sum(index.size for index in self._indexes)
+        kind = whole_files.files_kind(self.record_kind, self.compression)
         return {"kind": self.kind, "batches": self.num_batches, "examples": self.num_examples,
                 "batch_size": self.batch_size, "shuffle": self.shuffle, "seed": self.seed,
-                "files": f"{len(self._indexes)} {self._files_kind()} files, {total} bytes",
+                "files": f"{len(self._indexes)} {kind} files, {total} bytes",
                 "fingerprint": f"{crc:08x}",
                 **({"file_list": [[i.path, i.size, i.mtime_ns] for i in self._indexes]}
                    if len(self._indexes) <= _LISTED_FILES else {})}

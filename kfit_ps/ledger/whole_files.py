@@ -27,7 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from kfit_ps.ledger.batched import WholeSplits, epoch_permutation
-from kfit_ps.ledger.file_index import TFRECORD
+from kfit_ps.ledger.file_index import COMPRESSIONS, TFRECORD
 
 _READ_BUFFER = 256 << 10
 
@@ -76,6 +76,52 @@ class WholeFiles:
         split = order[slot]
         start = ends[slot] - tables["split_batches"][split]
         return tables["split_files"][split], batch - start
+
+    def split_reader(self, tables, first, epoch, seed, batches_from):
+        """`next_batch(j)` inside the function that trains the split from batch `first` of
+        `epoch`: its file's batches in turn, from one iterator over `batches_from(path,
+        records)` (the file's batches after its first `records` records)."""
+        file, before = self.locate(tables, tf.cast(first, tf.int64), epoch, seed)
+        path = tables["paths"][file]
+        batches = iter(batches_from(path, before * self.batch_size))
+
+        def next_batch(j):
+            del j  # The next one.
+            batch = batches.get_next_as_optional()
+            found = tf.debugging.Assert(batch.has_value(), [
+                "kfit_ps: the file holds fewer batches than its index counted (did it change "
+                "after `fit` indexed it?):", path])
+            with tf.control_dependencies([found]):
+                return tf.nest.map_structure(tf.identity, batch.get_value())
+
+        return next_batch
+
+
+def files_kind(record_kind, compression):
+    """"TFRecord", "text", or e.g. "GZIP-compressed TFRecord"."""
+    return f"{compression}-compressed {record_kind}" if compression else record_kind
+
+
+def refused(compression):
+    """Why files read with the constant `compression_type` `compression` are not read once
+    per epoch, or None ("" reads them by record range, `COMPRESSIONS` whole)."""
+    if not compression or compression in COMPRESSIONS:
+        return None
+    return (f"its reader's compression_type is {compression!r}: files are read by record range "
+            "when uncompressed (''), and whole when 'GZIP' or 'ZLIB'. Received: "
+            f"compression_type={compression!r}. Write the files uncompressed or with GZIP or "
+            "ZLIB, and pass that compression_type")
+
+
+def computed_per_file(op, made_by):
+    """Why a reader (`op`) whose `compression_type` a per-file function computes (with the op
+    `made_by`, None when captured from the caller) is refused."""
+    return (f"its {op}'s `compression_type` is computed per file (by "
+            f"{'a ' + made_by if made_by else 'the per-file function'}), and a compressed "
+            "file is read whole while an uncompressed one is read by record range. "
+            "Received: compression_type=<a tensor computed per file>. Pass one constant "
+            "compression_type for all the files of a pipeline ('', 'GZIP' or 'ZLIB'): "
+            "write them with one compression, or train each kind in its own fit")
 
 
 def records(path, kind, compression, skip):
