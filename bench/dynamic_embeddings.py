@@ -23,6 +23,12 @@ Three measurements, each in fresh processes on a `LocalCluster` (2 workers,
     python bench/dynamic_embeddings.py --part quality
     python bench/dynamic_embeddings.py --part table_size --small 1000000 --large 10000000
     python bench/dynamic_embeddings.py --part eviction --stream 5000000 --capacity 500000
+
+`--part` takes several parts, comma-separated: they run one after the other with the same
+arguments, and `--json` then names one file per part (`{part}` in the path stands for the
+part's name):
+
+    python bench/dynamic_embeddings.py --part quality,table_size,eviction --json {part}.json
 """
 
 import argparse
@@ -260,15 +266,41 @@ PARTS = {"quality": (quality, _quality_child), "table_size": (table_size, _table
 
 
 def _measure(kind, argv):
-    """`child_process.measure` of `kind` (in this process when the tests ask for one)."""
-    child = PARTS[_parser().parse_args(argv).part][1]
-    return child_process.measure(__file__, kind, argv, run=lambda: child(
+    """`child_process.measure` of `kind` (in this process when the tests ask for one); `argv`
+    names one part."""
+    [part] = _parser().parse_args(argv).part
+    return child_process.measure(__file__, kind, argv, run=lambda: PARTS[part][1](
         _parser().parse_args([*argv, "--child", kind])))
+
+
+def _parts(text):
+    """`--part`: one part or several, comma-separated, each of `PARTS`."""
+    parts = [p for p in text.split(",") if p]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown or not parts:
+        raise argparse.ArgumentTypeError(
+            f"received {text!r}; expected one or more of {', '.join(sorted(PARTS))}, "
+            "comma-separated (e.g. --part quality,eviction)")
+    return list(dict.fromkeys(parts))
+
+
+def _without(argv, *flags):
+    """`argv` without `flags` and their values (`--flag value` or `--flag=value`)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in flags:
+            skip = True
+        elif not arg.startswith(tuple(f + "=" for f in flags)):
+            kept.append(arg)
+    return kept
 
 
 def _parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=sorted(PARTS), required=True)
+    parser.add_argument("--part", type=_parts, required=True,
+                        help=f"of {', '.join(sorted(PARTS))}; several comma-separated")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--ps", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
@@ -286,21 +318,33 @@ def _parser():
     parser.add_argument("--steps-per-execution", type=int, default=5)
     parser.add_argument("--stream", type=int, default=5_000_000, help="eviction: distinct ids")
     parser.add_argument("--capacity", type=int, default=500_000, help="eviction: rows")
-    parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--json", default=None,
+                        help="also write the results to this file ({part}: the part's name)")
     parser.add_argument("--data-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return parser
 
 
 def main(argv=None):
+    """Runs each part of `--part` in turn; returns their results by part."""
     argv = sys.argv[1:] if argv is None else argv
-    args = _parser().parse_args(argv)
-    run, child = PARTS[args.part]
-    child_process.run_if_child(args, child)
-    child_argv = [a for a in argv if a not in (args.json, "--json")]
-    result = run(args, child_argv)
-    child_process.write_json(args.json, {"part": args.part, **result})
-    return result
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.child:
+        [part] = args.part
+        child_process.run_if_child(args, PARTS[part][1])
+    if len(args.part) > 1 and args.json and "{part}" not in args.json:
+        parser.error(f"--json: received {args.json!r} for {len(args.part)} parts; each part "
+                     "writes a file of its own: put {part} in the path (e.g. --json {part}.json)")
+    results = {}
+    for part in args.part:
+        part_args = parser.parse_args([*argv, "--part", part])
+        child_argv = [*_without(argv, "--json", "--part"), "--part", part]
+        results[part] = PARTS[part][0](part_args, child_argv)
+        if args.json:
+            child_process.write_json(args.json.replace("{part}", part),
+                                     {"part": part, **results[part]})
+    return results
 
 
 if __name__ == "__main__":

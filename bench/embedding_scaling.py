@@ -142,10 +142,9 @@ def child_rss(args):
     import kfit_ps
 
     me = psutil.Process()
-    with kfit_ps.LocalCluster(num_workers=args.workers, num_ps=args.ps) as cluster:
-        strategy = kfit_ps.ParameterServerStrategy(
-            cluster.cluster_resolver,
-            variable_partitioner=kfit_ps.partitioners.FixedShardsPartitioner(args.shards))
+    partitioner = kfit_ps.partitioners.FixedShardsPartitioner(args.shards)
+    with child_process.local_cluster(args.workers, args.ps,
+                                     variable_partitioner=partitioner) as (_, strategy):
         with strategy.scope():  # Warm TF up with a small model first.
             keras.Model(*build(keras.layers, BASE_IDS, args)).compile("adam", "mse")
         baseline = me.memory_info().rss
@@ -175,12 +174,19 @@ def child_rss(args):
 
 
 def child_bandwidth(args):
+    """Bytes/s of reading a 256 MB variable from a cluster of 1 worker + 1 ps; in one process
+    (`child_process`), from the process' cluster, whose partitioner splits it over the ps."""
     import tensorflow as tf
 
     import kfit_ps
 
-    with kfit_ps.LocalCluster(num_workers=1, num_ps=1) as cluster:
-        strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver)
+    if child_process.one_process():
+        partitioner = kfit_ps.partitioners.FixedShardsPartitioner(args.shards)
+        cluster = child_process.local_cluster(args.workers, args.ps,
+                                              variable_partitioner=partitioner)
+    else:
+        cluster = child_process.local_cluster(1, 1)
+    with cluster as (_, strategy):
         with strategy.scope():
             big = tf.Variable(tf.zeros((64, 1 << 20), tf.float32))  # 256 MB on the ps
         big.numpy()
@@ -238,7 +244,7 @@ def main(argv=None):
           f"{args.large_rows} rows {large['step_ms']:.2f} ms/step; ratio "
           f"{large['step_ms'] / small['step_ms']:.3f} (target <= 1.3)", flush=True)
 
-    rss = measure("rss", passed)
+    rss = measure("rss", passed, args)
     limit = 1.5 * rss["baseline_mb"] + 100
     print(f"2. coordinator RSS creating a {args.large_rows} x {args.dim} table "
           f"({rss['table_mb']:.0f} MB, shards {rss['shards']}) and its Adam slots: baseline "
@@ -251,7 +257,7 @@ def main(argv=None):
           f"{large['examples_per_s'] / baseline['examples_per_s']:.3f} (target >= 1.0)",
           flush=True)
 
-    bandwidth = measure("bandwidth", passed)
+    bandwidth = measure("bandwidth", passed, args)
     minimum = 4 * large["dense_params"] + large["unique_ids"] * (4 * args.dim + 8)
     moved = large["bytes_per_step"]
     line = (f"4. bytes per step: minimum S = 4*{large['dense_params']} + "

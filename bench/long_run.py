@@ -5,8 +5,8 @@ One `fit` of `--steps` steps (default 20,000) in a single epoch, on a
 thresholds: every scheduled function returns about 3 KB of metric state).
 A sampler thread reads the optimizer's step counter on the ps and the
 chief's resident memory every `--interval` seconds; from those samples the
-script reports the steps/s over the first and the last 1,000 steps and the
-chief's RSS after the first 1,000 steps and at the end.
+script reports the steps/s over the first and the last `--window` steps
+(1,000) and the chief's RSS after the first window and at the end.
 
 `--pending N` sets `KFIT_PS_METRIC_RESULTS_PENDING` (how many finished
 functions' results the coordinator keeps before folding the oldest);
@@ -85,12 +85,13 @@ def run_child(args):
         sampler.join()
         samples.append((time.monotonic(), int(iterations.numpy()) - start,
                         me.memory_info().rss))
-        rss_after_first = next(r for _, s, r in samples if s >= WINDOW)
+        rss_after_first = next(r for _, s, r in samples if s >= args.window)
         child_process.report({
             "steps": int(iterations.numpy()) - start,
             "seconds": seconds,
-            "first_steps_per_s": _rate(samples, 0, WINDOW),
-            "last_steps_per_s": _rate(samples, args.steps - WINDOW, args.steps),
+            "window": args.window,
+            "first_steps_per_s": _rate(samples, 0, args.window),
+            "last_steps_per_s": _rate(samples, args.steps - args.window, args.steps),
             "rss_mb_after_first": rss_after_first / 2**20,
             "rss_mb_end": samples[-1][2] / 2**20,
             "rss_mb_peak": max(r for _, _, r in samples) / 2**20,
@@ -100,6 +101,8 @@ def run_child(args):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20_000)
+    parser.add_argument("--window", type=int, default=WINDOW,
+                        help="steps of the first and the last window, whose steps/s are reported")
     parser.add_argument("--interval", type=float, default=0.5)
     parser.add_argument("--pending", type=int, default=None)
     parser.add_argument("--compare", action="store_true")
@@ -107,6 +110,9 @@ def main(argv=None):
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    if not 1 <= args.window <= args.steps:
+        parser.error(f"--window: received {args.window} for --steps {args.steps}; expected "
+                     "1 to --steps (the first and the last window are both within the epoch)")
     if args.child:
         if args.pending:
             os.environ["KFIT_PS_METRIC_RESULTS_PENDING"] = str(args.pending)
@@ -120,10 +126,10 @@ def main(argv=None):
     for name, child_argv in runs.items():
         r = child_process.measure(os.path.abspath(__file__), "run", child_argv, timeout=7200)
         results[name] = r
-        print(f"{name}: {r['steps']} steps in {r['seconds']:.0f} s; steps/s first {WINDOW} "
-              f"{r['first_steps_per_s']:.1f}, last {WINDOW} {r['last_steps_per_s']:.1f} "
+        print(f"{name}: {r['steps']} steps in {r['seconds']:.0f} s; steps/s first {args.window} "
+              f"{r['first_steps_per_s']:.1f}, last {args.window} {r['last_steps_per_s']:.1f} "
               f"(ratio {r['last_steps_per_s'] / r['first_steps_per_s']:.2f}); chief RSS "
-              f"{r['rss_mb_after_first']:.0f} MB after {WINDOW} steps, "
+              f"{r['rss_mb_after_first']:.0f} MB after {args.window} steps, "
               f"{r['rss_mb_end']:.0f} MB at the end (growth "
               f"{r['rss_mb_end'] - r['rss_mb_after_first']:+.0f} MB, peak "
               f"{r['rss_mb_peak']:.0f} MB)", flush=True)

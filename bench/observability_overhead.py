@@ -13,7 +13,9 @@ The main job's model and data (`bench/dlrm_throughput.py`'s `kfit_ps` contender,
 
 The two alternate within one process, on one cluster, so the machine's slow and fast spells
 (docs/benchmarks.md) fall on both alike. Prints examples/s and the per-pair ratios
-observed/unobserved, and their median over every pair of every repeat.
+observed/unobserved, and their median over every pair of every repeat. (With
+`KFIT_PS_BENCH_ONE_PROCESS=1` the repeats run in the script's own process and cluster:
+`child_process`.)
 
     python bench/observability_overhead.py                    # as in docs/benchmarks.md
     python bench/observability_overhead.py --repeats 1 --pairs 1 --steps 100   # quick
@@ -43,7 +45,6 @@ def _scrape(url, seconds, active, stop):
 
 
 def run_child(args):
-    import kfit_ps
     from kfit_ps import net
     from kfit_ps.training import monitor
 
@@ -56,9 +57,8 @@ def run_child(args):
                                            stop), daemon=True).start()
     paths = sorted(os.path.join(args.data_dir, f) for f in os.listdir(args.data_dir))
     rates = {"observed": [], "unobserved": []}
-    with kfit_ps.LocalCluster(num_workers=args.workers, num_ps=args.ps) as cluster:
-        strategy = kfit_ps.ParameterServerStrategy(cluster.cluster_resolver,
-                                                   **dlrm.kfit_strategy_args(args))
+    with child_process.local_cluster(args.workers, args.ps,
+                                     **dlrm.kfit_strategy_args(args)) as (_, strategy):
         model, data = dlrm.make_kfit(strategy, paths, args)
         for warm in (observed, unobserved):
             monitor.use_monitor(warm)
@@ -94,7 +94,9 @@ def main(argv=None):
     ratios = []
     expected = 2 * dlrm.WARMUP_STEPS + 2 * args.pairs * args.steps
     for repeat in range(args.repeats):
-        result = child_process.measure(os.path.abspath(__file__), "pairs", child_argv)
+        result = child_process.measure(
+            os.path.abspath(__file__), "pairs", child_argv,
+            run=lambda: run_child(parser.parse_args([*child_argv, "--child", "pairs"])))
         assert result["iterations"] == expected, (result["iterations"], expected)
         for name in rates:
             rates[name].extend(result["rates"][name])

@@ -6,6 +6,8 @@ tables of 64 KB and more sharded over the ps tasks, batch `--batch-size`
 per worker step, `--steps` timed steps after a warm-up) on a `LocalCluster`
 of that shape on this machine. Efficiency = examples/s / (workers x the
 examples/s of 1 worker with the same ps count); 1.0 is linear scaling.
+(With `KFIT_PS_BENCH_ONE_PROCESS=1`, `child_process`, the first configuration
+runs in this process; the others need clusters of other shapes.)
 
 Every process of a configuration shares this machine's cores, so a figure
 is bounded by the cores once workers + ps + 1 exceed them (the script says
@@ -28,6 +30,15 @@ import plots
 
 def _ints(text):
     return [int(v) for v in text.split(",") if v]
+
+
+def _in_this_process(child_argv):
+    """`dlrm_throughput`'s `kfit_ps` measurement of `child_argv`, run in this process."""
+    parser = argparse.ArgumentParser()
+    dlrm_throughput.add_arguments(parser)
+    args = parser.parse_args(child_argv)
+    args.child = "kfit_ps"
+    return lambda: dlrm_throughput.run_child(args)
 
 
 def main(argv=None):
@@ -53,7 +64,9 @@ def main(argv=None):
                           str(args.steps), "--batch-size", str(args.batch_size),
                           "--steps-per-execution", str(args.steps_per_execution),
                           "--data-dir", data_dir]
-            result = child_process.measure(script, "kfit_ps", child_argv, timeout=3600)
+            result = child_process.measure(  # (in one process: the first one only)
+                script, "kfit_ps", child_argv, timeout=3600,
+                run=None if rows else _in_this_process(child_argv))
             rate = result["examples_per_s"]
             base.setdefault(ps, rate / workers)
             row = {"workers": workers, "ps": ps, "examples_per_s": rate,

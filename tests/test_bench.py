@@ -23,6 +23,14 @@ from tests import helpers
 SCRIPTS_AT_ONCE = 2
 ROOT_DOCS = os.path.join(helpers.ROOT, "docs")
 
+LEDGER_EXAMPLES = 10_000  # bench/data_ledger.py --examples: 40 batches, kills at batches 5 and 12
+LONG_RUN_STEPS, LONG_RUN_WINDOW = 500, 100  # bench/long_run.py --steps, --window
+# `--steps-per-execution 1` where a script's default is 5: kfit_ps unrolls a function's steps
+# (kfit_ps/training/step/functions.py), and tracing the 5 and optimizing them on the workers is
+# most of a tiny run's CPU (fit_phases: 32 CPU-s at 5, 17 at 1). dlrm_throughput keeps its 5 (and
+# data_ledger its fixed 5), so the scripts' default still runs here.
+ONE_STEP = ["--steps-per-execution", "1"]
+
 # name: (the script and its arguments, `{out}` standing for the module's output folder; timeout).
 SCRIPTS = {
     "fit_overhead": (["bench/fit_overhead.py", "--repeats", "1", "--epochs", "1", "--steps", "20",
@@ -33,38 +41,34 @@ SCRIPTS = {
     "dlrm_throughput": (["bench/dlrm_throughput.py", "--repeats", "1", "--steps", "10", "--rows",
                          "3000", "--json", "{out}/dlrm.json", "--png", "{out}/dlrm.png"], 900),
     "fit_phases": (["bench/fit_phases.py", "--fits", "2", "--steps", "10", "--rows", "3000",
-                    "--json", "{out}/fit_phases.json"], 600),
+                    *ONE_STEP, "--json", "{out}/fit_phases.json"], 600),
     "exact_evaluation": (["bench/exact_evaluation.py", "--repeats", "1", "--rows", "5000",
                           "--files", "10", "--batch-size", "256", "--json",
                           "{out}/exact_evaluation.json"], 900),
-    "long_run": (["bench/long_run.py", "--steps", "2500", "--interval", "0.1", "--pending", "50",
-                  "--json", "{out}/long_run.json"], 900),
+    "long_run": (["bench/long_run.py", "--steps", str(LONG_RUN_STEPS), "--window",
+                  str(LONG_RUN_WINDOW), "--interval", "0.1", "--pending", "50", "--json",
+                  "{out}/long_run.json"], 900),
     "scaling": (["bench/scaling.py", "--workers", "1,2", "--ps", "1", "--steps", "10", "--rows",
-                 "3000", "--json", "{out}/scaling.json", "--png", "{out}/scaling.png"], 900),
-    "data_ledger": (["bench/data_ledger.py", "--repeats", "1", "--examples", "20000",
+                 "3000", *ONE_STEP, "--json", "{out}/scaling.json", "--png",
+                 "{out}/scaling.png"], 900),
+    "data_ledger": (["bench/data_ledger.py", "--repeats", "1", "--examples", str(LEDGER_EXAMPLES),
                      "--epochs", "2", "--kills", "2", "--index-megabytes", "8", "--json",
                      "{out}/data_ledger.json"], 900),
     "observability_overhead": (["bench/observability_overhead.py", "--repeats", "1", "--pairs",
-                                "1", "--steps", "10", "--rows", "3000", "--json",
+                                "1", "--steps", "10", "--rows", "3000", *ONE_STEP, "--json",
                                 "{out}/observability.json"], 600),
     "charts": (["bench/charts.py", "--out", "{out}/charts"], 300),
-    "dynamic_embeddings_quality": (["bench/dynamic_embeddings.py", "--part", "quality",
-                                    "--repeats", "1", "--json", "{out}/quality.json", "--rows",
-                                    "3000", "--batch-size", "128"], 900),
-    "dynamic_embeddings_table_size": (["bench/dynamic_embeddings.py", "--part", "table_size",
-                                       "--repeats", "1", "--json", "{out}/table_size.json",
-                                       "--small", "1000", "--large", "20000", "--steps", "20"],
-                                      900),
-    "dynamic_embeddings_eviction": (["bench/dynamic_embeddings.py", "--part", "eviction",
-                                     "--repeats", "1", "--json", "{out}/eviction.json",
-                                     "--stream", "20000", "--capacity", "2000"], 900),
+    # Its three parts in one process and one cluster, one JSON each, all at batch 256 (quality:
+    # 9 steps over the 2,304 training examples of 3,000 rows).
+    "dynamic_embeddings": (["bench/dynamic_embeddings.py", "--part", "quality,table_size,eviction",
+                            "--repeats", "1", "--json", "{out}/{{part}}.json", "--rows", "3000",
+                            "--small", "1000", "--large", "20000", "--steps", "20", *ONE_STEP,
+                            "--stream", "20000", "--capacity", "2000"], 900),
 }
 
 
 def _scripts_of(item):
     """The scripts test `item` checks."""
-    if item.originalname == "test_dynamic_embeddings_parts_report":
-        return [f"dynamic_embeddings_{item.callspec.params['part']}"]
     return {
         "test_fit_overhead_runs_and_reports_a_ratio": ["fit_overhead"],
         "test_data_ledger_reports_both_answers_to_worker_loss": ["data_ledger"],
@@ -75,6 +79,8 @@ def _scripts_of(item):
         "test_long_run_and_scaling_report": ["long_run", "scaling"],
         "test_observability_overhead_alternates_both_and_charts_draw": [
             "observability_overhead", "charts"],
+        "test_dynamic_embeddings_parts_report": ["dynamic_embeddings"],
+        "test_dynamic_embeddings_parts_need_a_json_path_each": [],
     }[item.originalname]
 
 
@@ -230,10 +236,11 @@ def test_data_ledger_reports_both_answers_to_worker_loss(scripts):
     _succeeded(scripts, "data_ledger")
     result = scripts.json("data_ledger.json")
     [ledger] = result["runs"]["ledger_kills"]
-    assert ledger["kills"] == 2 and ledger["lost"] == 0 and ledger["trained"] == 20000
+    assert ledger["kills"] == 2 and ledger["lost"] == 0
+    assert ledger["trained"] == LEDGER_EXAMPLES
     assert ledger["duplicated"] <= ledger["ledger_examples_rerun"] <= 2 * 5 * 256
     [service] = result["runs"]["data_service_kills"]
-    assert service["kills"] == 2 and service["trained"] + service["lost"] == 20000
+    assert service["kills"] == 2 and service["trained"] + service["lost"] == LEDGER_EXAMPLES
     assert result["ratio_ledger_over_stream"]["median"] > 0
     assert result["ratio_files_ledger_over_stream"]["median"] > 0  # TFRecord files
     assert result["examples_per_s"]["data_service"] > 0
@@ -247,7 +254,7 @@ def test_data_ledger_reports_both_answers_to_worker_loss(scripts):
 def test_long_run_and_scaling_report(scripts):
     _succeeded(scripts, "long_run")
     result = scripts.json("long_run.json")["default"]
-    assert result["steps"] == 2500
+    assert result["steps"] == LONG_RUN_STEPS and result["window"] == LONG_RUN_WINDOW
     assert result["first_steps_per_s"] > 0 and result["last_steps_per_s"] > 0
     assert result["rss_mb_end"] > 0
 
@@ -262,7 +269,7 @@ def test_long_run_and_scaling_report(scripts):
 @pytest.mark.slow
 @pytest.mark.parametrize("part", ["quality", "table_size", "eviction"])
 def test_dynamic_embeddings_parts_report(scripts, part):
-    _succeeded(scripts, f"dynamic_embeddings_{part}")
+    _succeeded(scripts, "dynamic_embeddings")
     result = scripts.json(f"{part}.json")
     if part == "quality":
         assert set(result["median_auc"]) == {"hashed", "dynamic", "unbounded", "full"}
@@ -275,3 +282,15 @@ def test_dynamic_embeddings_parts_report(scripts, part):
     else:
         assert 0 < result["peak_rows_per_shard"] <= result["bound"]
         assert result["rows"] <= 2 * (result["shard_capacity"] + result["slack"])
+
+
+def test_dynamic_embeddings_parts_need_a_json_path_each():
+    """Several parts write one JSON each: a `--json` path without `{part}` is refused before
+    anything runs (no TensorFlow is imported)."""
+    proc = subprocess.run(
+        [sys.executable, "bench/dynamic_embeddings.py", "--part", "quality,eviction", "--json",
+         "dynamic.json"], cwd=helpers.ROOT, env=helpers.chief_env(), capture_output=True,
+        text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "--json: received 'dynamic.json' for 2 parts" in proc.stderr
+    assert "put {part} in the path" in proc.stderr
