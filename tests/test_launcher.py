@@ -481,9 +481,15 @@ def test_sigterm_saves_the_steps_in_flight_and_the_rerun_loses_none(tmp_path, to
 
 @pytest.mark.slow
 def test_sigterm_while_servers_start_stops_everything_at_once(tmp_path):
-    job = Job(tmp_path, "--workers", "2", "--ps", "2", script_args=(1, 10, 5))
+    """A ps held before it serves (SIGSTOPped as it starts, a process of its own: a forked
+    server serves within milliseconds, before the signal could come), then SIGTERM: the
+    launcher stops at once, with every process it started, and never says the servers are
+    ready (a race with the servers' start-up before)."""
+    job = Job(tmp_path, "--workers", "2", "--ps", "2", script_args=(1, 10, 5),
+              env={"KFIT_PS_SERVER_FORK": "0"})
     try:
         job.read_until(lambda line: "LaunchConfig(" in line)  # servers are being started
+        _stop_next_server(job.proc.pid, "ps", set())
         children = psutil.Process(job.proc.pid).children(recursive=True)
         started = time.monotonic()
         job.proc.send_signal(signal.SIGTERM)

@@ -24,9 +24,7 @@ ALLOWED_LABELS = {"kfit_job", "task_type", "task_index", "reason", "le"}
 # Trains each model of argv[3] ("table,dense") in turn, each until the file argv[1]-KIND exists;
 # TensorBoard (with per-task scalars) in argv[2]. "table": one big table, the strategy's first
 # variable, so on ps:0 (the few dense ones spread), trained flat out: the ps must burn CPU.
-# "dense": a small dense model, a function dispatched every 0.1 s at most (a slowed worker shows
-# in its functions' times, the straggler rule's measure, at any pace; flat out, the job only
-# burns 2 cores for nothing).
+# "dense": a small dense model, also flat out: its ps tasks busy, yet none may be named hot.
 LIVE = textwrap.dedent("""
     import os, sys
     import keras, kfit_ps
@@ -63,9 +61,8 @@ LIVE = textwrap.dedent("""
                     return tf.data.Dataset.from_tensors((ids, tf.ones((256, 1)))).repeat()
             model.compile("adam", "mse", steps_per_execution=5)
         stop = StopOnFile(f"{stop_prefix}-{model_kind}")
-        paced = [h.paced_until(stop.path, 0.1)] if model_kind == "dense" else []
         model.fit(kfit_ps.DatasetCreator(data), epochs=100_000, steps_per_epoch=50, verbose=0,
-                  callbacks=[stop, kfit_ps.callbacks.TensorBoard(log_dir), *paced])
+                  callbacks=[stop, kfit_ps.callbacks.TensorBoard(log_dir)])
         print("TRAINED", model_kind, flush=True)
 """)
 

@@ -280,10 +280,10 @@ def _kfit_ps_logging():
     before = (logger.level, logger.propagate)
     handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
-    logger.addHandler(handler)
-    logger.setLevel(constants.log_level())
-    logger.propagate = False
     try:
+        logger.addHandler(handler)
+        logger.setLevel(constants.log_level())
+        logger.propagate = False
         yield
     finally:
         logger.removeHandler(handler)
