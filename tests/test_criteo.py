@@ -51,6 +51,27 @@ def test_reader_parses_generated_and_real_style_lines(files):
     np.testing.assert_allclose(parsed["dense"].numpy()[0, :3], np.log1p([1, 0, 5]), rtol=1e-6)
 
 
+@pytest.mark.parametrize("raw_ids", [False, True])
+def test_the_tfrecord_variant_reads_as_the_same_batches(tmp_path, raw_ids):
+    """`generate(format="tfrecord")` writes the TSV rows of the same seed as Examples;
+    `dataset()` reads them to the same features and labels."""
+    spec = criteo.CriteoSpec(scale=1e-3)
+    tsv = criteo.generate(str(tmp_path / "tsv"), 3000, spec, files=2, raw_ids=raw_ids)
+    tfrecord = criteo.generate(str(tmp_path / "tfrecord"), 3000, spec, files=2,
+                               raw_ids=raw_ids, format="tfrecord")
+    assert [p.rsplit(".", 1)[1] for p in tsv + tfrecord] == ["tsv"] * 2 + ["tfrecord"] * 2
+    batches = [list(criteo.dataset(paths, 1000, spec, shuffle=False, repeat=False,
+                                   raw_ids=raw_ids)) for paths in (tsv, tfrecord)]
+    assert len(batches[0]) == len(batches[1]) == 3
+    for (features, labels), (other, other_labels) in zip(*batches):
+        np.testing.assert_array_equal(labels, other_labels)
+        assert features.keys() == other.keys()
+        for name in features:
+            np.testing.assert_array_equal(features[name], other[name], err_msg=name)
+    with pytest.raises(ValueError, match="must all be TSV or all"):
+        criteo.dataset(tsv[:1] + tfrecord[:1], 10, spec)
+
+
 def test_labels_carry_a_learnable_signal(files):
     spec = criteo.CriteoSpec(scale=1e-3)
     lines = [line.split("\t") for line in open(files[0])]
@@ -68,6 +89,10 @@ def test_bad_arguments_are_named(tmp_path):
         criteo.CriteoSpec(scale=2)
     with pytest.raises(ValueError, match="rows=0"):
         criteo.generate(str(tmp_path), rows=0)
+    with pytest.raises(ValueError, match="format='csv'"):
+        criteo.generate(str(tmp_path), rows=10, format="csv")
+    with pytest.raises(ValueError, match="shuffle='lines'"):
+        criteo.dataset([], 10, shuffle="lines")
 
 
 def test_dlrm_saves_and_loads_with_its_custom_layers(files, tmp_path):

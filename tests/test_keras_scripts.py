@@ -83,3 +83,52 @@ def test_feature_space_classification_runs_with_two_lines_changed(tmp_path):
     assert min(moved["val_accuracy"][-1], alone["val_accuracy"][-1]) > 0.85, (moved, alone)
     assert abs(moved["val_accuracy"][-1] - alone["val_accuracy"][-1]) < 0.07, (moved, alone)
     assert moved["probability"] > 0.5 and alone["probability"] > 0.5
+
+
+DATA_FIRST = '''
+import json, sys
+import numpy as np
+import keras
+import tensorflow as tf
+import kfit_ps
+
+x = np.arange(3000, dtype="float32").reshape(1000, 3) / 3000
+y = x.sum(axis=1, keepdims=True)
+data = tf.data.Dataset.from_tensor_slices((x, y)).map(lambda a, b: (a * 2, b)).batch(64)
+lookup = keras.layers.StringLookup(vocabulary=["a", "b"])
+stateful = tf.data.Dataset.from_tensor_slices((["a", "b"] * 64, [[1.0]] * 128)).map(
+    lambda s, t: (tf.cast(lookup(s), tf.float32)[None] * tf.ones(3), t)).batch(64)
+strategy = kfit_ps.ParameterServerStrategy(kfit_ps.LocalCluster(num_workers=1, num_ps=1))
+with strategy.scope():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=5)
+logs = model.fit(data, validation_data=data, epochs=2, verbose=0).history
+result = {"iterations": int(model.optimizer.iterations.numpy()),
+          "splits": logs["ledger_splits"], "val_loss": logs["val_loss"],
+          "evaluate": model.evaluate(data, verbose=0),
+          "predicted": model.predict(data, verbose=0).shape[0]}
+try:
+    model.fit(stateful, epochs=1, verbose=0)
+except ValueError as e:
+    result["refused"] = str(e)
+json.dump(result, open(sys.argv[1], "w"))
+'''
+
+
+def test_data_made_before_the_strategy_trains_or_is_refused_with_the_fix(tmp_path):
+    """A script that builds its datasets first and the strategy later: a dataset made before
+    the strategy connected to the cluster lives on a device the cluster's context no longer
+    has. A pure pipeline is rebuilt on the chief (one-pass epochs, evaluate, predict); one
+    with a lookup table of this process is refused, naming the fix."""
+    script = tmp_path / "data_first.py"
+    script.write_text(DATA_FIRST)
+    proc, out, pids = run_and_watch([sys.executable, str(script), str(tmp_path / "r.json")])
+    assert proc.returncode == 0, out[-4000:]
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["iterations"] == 2 * 16  # 1,000 examples in batches of 64, twice, exactly
+    assert result["splits"] == [4, 4] and len(result["val_loss"]) == 2
+    assert result["predicted"] == 1000 and result["evaluate"] > 0
+    assert result["refused"].startswith("`x` was made before the strategy connected")
+    assert "Create the strategy first" in result["refused"]
+    assert "function_node" not in result["refused"]
+    assert len(pids) == 2 and helpers.wait_for_no_servers(pids, timeout=10) == []

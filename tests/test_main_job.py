@@ -95,8 +95,12 @@ def test_quickstart_main_job_learns_and_leaves_nothing(tmp_path):
     match = re.search(r"held-out: auc=([0-9.]+) loss=([0-9.]+) \(steps trained: (\d+)", out)
     assert match, out[-3000:]
     assert float(match.group(1)) > 0.7
-    assert int(match.group(3)) == 300  # 3 epochs x 100 steps, exactly
-    assert "Epoch 3/3" in out and "100/100" in out
+    # One-pass epochs over its files (a dataset made before the cluster started): 100,000
+    # lines in batches of 256, 2 epochs, exactly; no split lost or re-run.
+    assert int(match.group(3)) == 2 * 391
+    assert "Epoch 2/2" in out and "391/391" in out
+    assert ("one-pass epochs: 100,000 examples per epoch in 79 splits; splits re-run 0 "
+            "(at most 0 examples trained twice), splits lost 0") in out
     assert "Failed to remove function" not in out
     assert helpers.wait_for_no_servers(pids, timeout=10) == []
     # Neither its data, nor server logs, nor autograph's generated sources (the exit skips the

@@ -40,6 +40,7 @@ from kfit_ps._tf_compat.keras_data import (class_weight_map_fn, class_weight_to_
 from kfit_ps._tf_compat.read_cache import CachedReadScope
 from kfit_ps._tf_compat.datasets import (external_state, shard_dataset, shard_policy, shuffle_ops,
                                          with_shard_policy)
+from kfit_ps._tf_compat.dataset_graph import Unserializable, on_this_context
 from kfit_ps._tf_compat.fused_adam import apply_adam, can_fuse as can_fuse_adam
 from kfit_ps._tf_compat.keras_sharding import (
     install_sharding_support,
@@ -81,6 +82,8 @@ __all__ = [
     "shard_dataset",
     "shard_policy",
     "shuffle_ops",
+    "on_this_context",
+    "Unserializable",
     "external_state",
     "with_shard_policy",
     "apply_adam",

@@ -4,12 +4,16 @@ A finite pipeline over files (`TFRecordDataset(files).map(parse).batch(n)`)
 is its reader followed by a tail of per-record and per-batch steps. The
 ledger's file source (`kfit_ps.ledger.files`) keeps the tail as the user wrote
 it and replaces the reader, batch by batch, with one that starts at the
-batch's first record (`replay`). Private: the dataset's `_as_serialized_graph`,
-and the eager context's `add_function_def` (the graph's functions registered
-under their names, so that they outlive the user's dataset: TensorFlow counts
-the registrations); the rest is public (`tf.graph_util.import_graph_def`,
+batch's first record (`replay`). A dataset made before the strategy connected
+to the cluster is rebuilt from its graph (`on_this_context`). Private: the
+dataset's `_as_serialized_graph` and `_variant_tensor` (its device), and the
+eager context's `add_function_def` (the graph's functions registered under
+names of their own, so that they outlive the user's dataset and reach the
+workers); the rest is public (`tf.graph_util.import_graph_def`,
 `tf.data.experimental.from_variant`, `tf.raw_ops.DatasetFromGraph`).
 """
+
+import itertools
 
 import tensorflow as tf
 from tensorflow.python.eager import context
@@ -37,7 +41,8 @@ def pipeline_graph(dataset):
         raise Unserializable(str(e).strip().splitlines()[0][:300]) from None
     graph = tf.compat.v1.GraphDef()
     graph.ParseFromString(serialized.numpy())
-    for function in graph.library.function:  # Outlive the dataset's own (same names).
+    _rename_functions(graph)
+    for function in graph.library.function:  # Outlive the dataset's own.
         context.context().add_function_def(function)
     (retval,) = [node for node in graph.node if node.op == "_Retval"]
     output = retval.input[0].split(":")[0]
@@ -45,6 +50,41 @@ def pipeline_graph(dataset):
     del graph.node[:]
     graph.node.extend(nodes)
     return graph, output
+
+
+def _rename_functions(graph):
+    """Gives `graph`'s functions names of their own (`kfit_ps_<n>_<name>`), in place.
+
+    Registering a function under a name the context already knows only counts it
+    again: a dataset made before the strategy connected to the cluster has its
+    functions known locally and never sent to the workers, and a traced function
+    that reaches them through the replayed tail failed on a worker with "Could not
+    find required function definition". Fresh names are registered, and sent, anew.
+    """
+    number = next(_renamed_graphs)
+    names = {f.signature.name: f"kfit_ps_{number}_{f.signature.name}"
+             for f in graph.library.function}
+
+    def rename(attrs):
+        for attr in attrs.values():
+            if attr.HasField("func") and attr.func.name in names:
+                attr.func.name = names[attr.func.name]
+            for func in attr.list.func:
+                if func.name in names:
+                    func.name = names[func.name]
+
+    for node in graph.node:
+        rename(node.attr)
+    for function in graph.library.function:
+        function.signature.name = names[function.signature.name]
+        for node in function.node_def:
+            rename(node.attr)
+    for gradient in graph.library.gradient:
+        if gradient.function_name in names:
+            gradient.function_name = names[gradient.function_name]
+
+
+_renamed_graphs = itertools.count(1)
 
 
 def constant(graph, name):
@@ -65,6 +105,24 @@ def evaluate(graph, output, element_spec):
     retval.attr["index"].i = 0
     variant = tf.raw_ops.DatasetFromGraph(graph_def=with_retval.SerializeToString())
     return tf.data.experimental.from_variant(variant, element_spec)
+
+
+def on_this_context(dataset):
+    """`dataset`, or, when it was made before the strategy connected to the cluster, the
+    same pipeline rebuilt from its graph on the chief's device.
+
+    A dataset made before `connect_to_cluster` lives on `/job:localhost`, a
+    device the connected context no longer has: an iterator or an op placed
+    beside it (`with_options`) fails with "unknown device". Raises
+    `Unserializable` when the pipeline uses state made on that device (a lookup
+    table, a variable, a Python generator), which cannot be moved.
+    """
+    device = dataset._variant_tensor.device  # noqa: SLF001
+    known = {tf.DeviceSpec.from_string(d.name) for d in tf.config.list_logical_devices()}
+    if not device or tf.DeviceSpec.from_string(device) in known:
+        return dataset
+    graph, output = pipeline_graph(dataset)
+    return evaluate(graph, output, dataset.element_spec)
 
 
 def replay(graph, output, root, records, element_spec):

@@ -49,7 +49,7 @@ def _cmd_quickstart(args, parser):
 
     _require_positive(parser, *((flag, getattr(args, name))
                                 for name, (flag, _) in QUICKSTART_FLAGS.items()
-                                if name != "verbose"))
+                                if name != "verbose" and getattr(args, name) is not None))
     if not constants.launched():  # Under `kfit-ps run`, its servers: their network decides.
         launch_commands.network(args.network, args.argv)
     config = QuickstartConfig(**{name: getattr(args, name) for name in QUICKSTART_FLAGS})
@@ -197,14 +197,14 @@ def build_parser():
     sub = parser.add_subparsers(dest="command", required=True)
 
     quick = sub.add_parser("quickstart", help="train the demo recommendation model locally")
-    from kfit_ps.jobs.quickstart import QUICKSTART_FLAGS  # Its defaults; no TensorFlow.
+    from kfit_ps.jobs.quickstart import QUICKSTART_FLAGS, QUICKSTART_HELP  # No TensorFlow.
 
     from_env = {"num_workers": constants.WORKERS_ENV, "num_ps": constants.PS_ENV}
     for name, (flag, default) in QUICKSTART_FLAGS.items():
         if name in from_env:
             default = constants.env_int(from_env[name], default)
         quick.add_argument(flag, dest=name, metavar=flag[2:].upper().replace("-", "_"),
-                           type=int, default=default,
+                           type=int, default=default, help=QUICKSTART_HELP.get(name),
                            choices=(0, 1, 2) if name == "verbose" else None)
     quick.add_argument("--network", choices=("isolated", "host"), default="isolated",
                        help="isolated (default where possible): servers in a private network "

@@ -13,6 +13,11 @@ possibly empty. `generate()` writes files in exactly that layout:
 - a learnable signal: the click probability is a logistic function of a
   hidden weight per categorical value plus the log-counts.
 
+`generate(..., format="tfrecord")` writes the same rows as `tf.train.Example`s
+in TFRecord files (`part-NNNNN.tfrecord`: `label`, `dense` (13 floats, a missing
+count as 0) and `C1`..`C26` (the 8-hex-digit hash, or the raw id with
+`raw_ids`; a missing value as "" or -1)).
+
 `dataset()` reads such files, generated or real (`train.txt` of the Kaggle
 release, split into parts), and hashes each categorical value into
 `buckets` rows, so table sizes are chosen by the model, not by the data.
@@ -73,9 +78,14 @@ def _hidden_weight(feature, ids):
     return np.sin(ids * 0.618034 + feature * 1.7) * (1.0 + 0.5 * np.cos(ids * 0.1 + feature))
 
 
+FORMATS = {"tsv": ".tsv", "tfrecord": ".tfrecord"}  # format -> file suffix
+
+
 def generate(directory, rows, spec=CriteoSpec(), files=1, seed=0, zipf_a=1.2,
-             missing=0.03, raw_ids=False, growth=0.0):
+             missing=0.03, raw_ids=False, growth=0.0, format="tsv"):
     """Writes `rows` lines of Criteo-layout TSV into `files` files; returns their paths.
+
+    `format="tfrecord"` writes the same rows as `tf.train.Example` records.
 
     `raw_ids=True` writes each categorical value as its raw id in decimal
     (unhashed, unbounded: read them with `dataset(..., raw_ids=True)`).
@@ -86,6 +96,9 @@ def generate(directory, rows, spec=CriteoSpec(), files=1, seed=0, zipf_a=1.2,
     if rows < 1 or files < 1:
         raise ValueError(f"generate: `rows` and `files` must be >= 1. Received: rows={rows!r}, "
                          f"files={files!r}.")
+    if format not in FORMATS:
+        raise ValueError(f"generate: `format` must be one of {sorted(FORMATS)}. Received: "
+                         f"format={format!r}.")
     import tensorflow as tf
 
     directory = os.fspath(directory)
@@ -112,12 +125,32 @@ def generate(directory, rows, spec=CriteoSpec(), files=1, seed=0, zipf_a=1.2,
     table = np.concatenate([labels[:, None].astype(str), dense_text, cat_text], axis=1)
     paths = []
     for index, part in enumerate(np.array_split(table, files)):
-        path = f"{directory.rstrip('/')}/part-{index:05d}.tsv"
-        with tf.io.gfile.GFile(path, "w") as f:
-            f.write("\n".join("\t".join(row) for row in part))
-            f.write("\n")
+        path = f"{directory.rstrip('/')}/part-{index:05d}{FORMATS[format]}"
+        if format == "tfrecord":
+            with tf.io.TFRecordWriter(path) as writer:
+                for row in part:
+                    writer.write(_example(row, raw_ids))
+        else:
+            with tf.io.gfile.GFile(path, "w") as f:
+                f.write("\n".join("\t".join(row) for row in part))
+                f.write("\n")
         paths.append(path)
     return paths
+
+
+def _example(row, raw_ids):
+    """One TSV row (strings, "" where missing) as a serialized `tf.train.Example`."""
+    import tensorflow as tf
+
+    train = tf.train
+    feature = {"label": train.Feature(float_list=train.FloatList(value=[float(row[0])])),
+               "dense": train.Feature(float_list=train.FloatList(
+                   value=[float(v) if v else 0.0 for v in row[1:1 + NUM_DENSE]]))}
+    for name, value in zip(CATEGORICAL, row[1 + NUM_DENSE:]):
+        feature[name] = (train.Feature(int64_list=train.Int64List(value=[int(value or -1)]))
+                         if raw_ids else
+                         train.Feature(bytes_list=train.BytesList(value=[value.encode()])))
+    return train.Example(features=train.Features(feature=feature)).SerializeToString()
 
 
 def parse_lines(lines, spec=CriteoSpec(), raw_ids=False):
@@ -132,16 +165,36 @@ def parse_lines(lines, spec=CriteoSpec(), raw_ids=False):
     defaults = [[0.0]] + [[0.0]] * NUM_DENSE + [[""]] * NUM_CATEGORICAL
     fields = tf.io.decode_csv(lines, record_defaults=defaults, field_delim="\t",
                               use_quote_delim=False)
-    dense = tf.stack(fields[1:1 + NUM_DENSE], axis=1)
+    categorical = fields[1 + NUM_DENSE:]
+    if raw_ids:
+        categorical = [tf.strings.to_number(tf.where(tf.equal(text, ""), "-1", text),
+                                            out_type=tf.int64) for text in categorical]
+    return _features(fields[0], tf.stack(fields[1:1 + NUM_DENSE], axis=1), categorical,
+                     spec, raw_ids)
+
+
+def parse_examples(records, spec=CriteoSpec(), raw_ids=False):
+    """Parses a batch of `generate(format="tfrecord")` records as `parse_lines` parses lines."""
+    import tensorflow as tf
+
+    kind = tf.int64 if raw_ids else tf.string
+    features = {"label": tf.io.FixedLenFeature([], tf.float32),
+                "dense": tf.io.FixedLenFeature([NUM_DENSE], tf.float32),
+                **{name: tf.io.FixedLenFeature([], kind) for name in CATEGORICAL}}
+    parsed = tf.io.parse_example(records, features)
+    return _features(parsed["label"], parsed["dense"], [parsed[n] for n in CATEGORICAL],
+                     spec, raw_ids)
+
+
+def _features(label, dense, categorical, spec, raw_ids):
+    """(features, label) of a batch: log1p counts, and hashed (or raw) categorical ids."""
+    import tensorflow as tf
+
     features = {"dense": tf.math.log1p(tf.maximum(dense, 0.0))}
-    for j, name in enumerate(CATEGORICAL):
-        text = fields[1 + NUM_DENSE + j]
-        if raw_ids:
-            text = tf.where(tf.equal(text, ""), "-1", text)
-            features[name] = tf.strings.to_number(text, out_type=tf.int64)
-        else:
-            features[name] = tf.strings.to_hash_bucket_fast(text, spec.buckets[j])
-    return features, tf.expand_dims(fields[0], 1)
+    for j, (name, values) in enumerate(zip(CATEGORICAL, categorical)):
+        features[name] = (values if raw_ids else
+                          tf.strings.to_hash_bucket_fast(values, spec.buckets[j]))
+    return features, tf.expand_dims(label, 1)
 
 
 def dataset(paths, batch_size, spec=CriteoSpec(), shuffle=True, repeat=True, seed=None,
@@ -150,18 +203,36 @@ def dataset(paths, batch_size, spec=CriteoSpec(), shuffle=True, repeat=True, see
 
     `features` is `{"dense": float32 [B, 13] (log1p of counts), "C1".."C26":
     int64 [B] (hash bucket, or the raw id with `raw_ids`)}`; `label` is
-    float32 [B, 1].
+    float32 [B, 1]. Files ending in `.tfrecord` are read as `generate(format="tfrecord")`
+    wrote them, others as TSV lines (all `paths` of one kind).
+
+    `shuffle`: True shuffles the files and the lines (for a stream: `repeat=True` and
+    `fit(..., steps_per_epoch=...)`); "files" shuffles the file list only, which
+    kfit_ps' one-pass epochs (`repeat=False`, no `steps_per_epoch`) turn into a new
+    seeded order of batches each epoch, every line trained once (a shuffle of lines
+    would give each worker its own order); False keeps the files' order.
     """
     import tensorflow as tf
 
-    files = tf.data.Dataset.from_tensor_slices(list(paths))
+    if shuffle not in (True, False, "files"):
+        raise ValueError(f"dataset: `shuffle` must be True, False or 'files'. Received: "
+                         f"shuffle={shuffle!r}.")
+    paths = [os.fspath(path) for path in paths]
+    kinds = {path.endswith(FORMATS["tfrecord"]) for path in paths}
+    if len(kinds) != 1:
+        raise ValueError(f"dataset: `paths` must all be TSV or all `.tfrecord` files. "
+                         f"Received: {paths!r}.")
+    tfrecord = kinds.pop()
+    files = tf.data.Dataset.from_tensor_slices(paths)
     if shuffle:
         files = files.shuffle(len(paths), seed=seed)
-    lines = files.interleave(tf.data.TextLineDataset, cycle_length=max(1, min(4, len(paths))))
-    if shuffle:
-        lines = lines.shuffle(16 * batch_size, seed=seed)
+    reader = tf.data.TFRecordDataset if tfrecord else tf.data.TextLineDataset
+    records = files.interleave(reader, cycle_length=max(1, min(4, len(paths))))
+    if shuffle is True:
+        records = records.shuffle(16 * batch_size, seed=seed)
     if repeat:
-        lines = lines.repeat()
-    return lines.batch(batch_size).map(
-        lambda batch: parse_lines(batch, spec, raw_ids),
+        records = records.repeat()
+    parse = parse_examples if tfrecord else parse_lines
+    return records.batch(batch_size).map(
+        lambda batch: parse(batch, spec, raw_ids),
         num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)

@@ -6,6 +6,11 @@ learnable signal; `kfit_ps.data.criteo`), trains `jobs.dlrm.build_dlrm` with
 `model.fit` on workers and ps tasks that are real server processes, with the
 large embedding tables sharded over the ps tasks, and reports AUC on held-out
 files. AUC well above 0.5 shows the model recovered the signal.
+
+By default each epoch is one pass over the training files (`kfit_ps.ledger`): every
+line trained once per epoch, in a new order of batches each epoch, whatever worker
+is lost; the ledger's figures are printed at the end. `--steps-per-epoch S` streams
+instead: each worker reads its own shuffled, repeated share of the files.
 """
 
 import dataclasses
@@ -15,9 +20,9 @@ import time
 from kfit_ps import validation
 
 
-def _flag(default, flag):
+def _flag(default, flag, help=None):
     """A setting `kfit-ps quickstart` takes as `flag`; the CLI's default is `default`."""
-    return dataclasses.field(default=default, metadata={"flag": flag})
+    return dataclasses.field(default=default, metadata={"flag": flag, "help": help})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,8 +32,10 @@ class QuickstartConfig:
 
     num_workers: int = _flag(2, "--workers")
     num_ps: int = _flag(2, "--ps")
-    epochs: int = _flag(3, "--epochs")
-    steps_per_epoch: int = _flag(100, "--steps-per-epoch")
+    epochs: int = _flag(2, "--epochs")
+    steps_per_epoch: int = _flag(None, "--steps-per-epoch",
+                                 "stream this many steps per epoch (default: one pass over the "
+                                 "training files per epoch)")
     batch_size: int = 256
     num_examples: int = 100_000
     steps_per_execution: int = 5
@@ -38,6 +45,8 @@ class QuickstartConfig:
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if value is None and field.name == "steps_per_epoch":
+                continue
             minimum = 0 if field.name in ("verbose", "seed") else 1
             validation.check_int(field.name, value, minimum, owner="QuickstartConfig")
 
@@ -45,6 +54,10 @@ class QuickstartConfig:
 # field name -> (flag, default): the settings `kfit-ps quickstart` takes.
 QUICKSTART_FLAGS = {field.name: (field.metadata["flag"], field.default)
                     for field in dataclasses.fields(QuickstartConfig) if "flag" in field.metadata}
+# field name -> the flag's help, where it needs one.
+QUICKSTART_HELP = {field.name: field.metadata["help"]
+                   for field in dataclasses.fields(QuickstartConfig)
+                   if field.metadata.get("help")}
 
 
 def run(config=None):
@@ -74,11 +87,17 @@ def _train_and_evaluate(config, workdir):
     test_files = criteo.generate(f"{workdir}/test", 20_000, spec, files=1,
                                  seed=config.seed + 1)
 
-    def dataset_fn(input_context):
+    def dataset_fn(input_context):  # A stream: each worker its share of the files.
         batch = input_context.get_per_replica_batch_size(config.batch_size)
         shard = [f for i, f in enumerate(train_files)
                  if i % input_context.num_input_pipelines == input_context.input_pipeline_id]
         return criteo.dataset(shard or train_files, batch, spec)
+
+    if config.steps_per_epoch is None:  # One pass over the files per epoch, in a new order.
+        train = criteo.dataset(train_files, config.batch_size, spec, shuffle="files",
+                               repeat=False, seed=config.seed)
+    else:
+        train = kfit_ps.DatasetCreator(dataset_fn)
 
     started = time.monotonic()
     with kfit_ps.job_cluster(num_workers=config.num_workers, num_ps=config.num_ps) as resolver:
@@ -98,8 +117,9 @@ def _train_and_evaluate(config, workdir):
         sharded = [v.path for v in model.trainable_variables if len(kfit_ps.shards(v)) > 1]
         print(f"sharded tables: {len(sharded)} of {len(model.trainable_variables)} variables",
               flush=True)
-        model.fit(kfit_ps.DatasetCreator(dataset_fn), epochs=config.epochs,
-                  steps_per_epoch=config.steps_per_epoch, verbose=config.verbose)
+        history = model.fit(train, epochs=config.epochs,
+                            steps_per_epoch=config.steps_per_epoch, verbose=config.verbose)
+        _report_ledger(history.history, config)
         test = criteo.dataset(test_files, 1024, spec, shuffle=False, repeat=False)
         results = model.evaluate(test, return_dict=True, verbose=0)
         results["iterations"] = int(model.optimizer.iterations.numpy())
@@ -107,3 +127,20 @@ def _train_and_evaluate(config, workdir):
     print(f"held-out: auc={results['auc']:.4f} loss={results['loss']:.3f} "
           f"(steps trained: {results['iterations']}, {results['seconds']:.1f}s)", flush=True)
     return results
+
+
+def _report_ledger(logs, config):
+    """Prints what the ledger of one-pass epochs saw (nothing for a stream)."""
+    if "ledger_splits" not in logs:
+        return
+    print(f"one-pass epochs: {config.num_examples:,} examples per epoch in "
+          f"{_figures(logs['ledger_splits'])} splits; splits re-run "
+          f"{_figures(logs['ledger_splits_rerun'])} (at most "
+          f"{_figures(logs['ledger_examples_rerun'])} examples trained twice), splits lost "
+          f"{_figures(logs['ledger_splits_lost'])}", flush=True)
+
+
+def _figures(values):
+    """An epoch's figure, or each epoch's: '24', or '0, 5, 0'."""
+    values = [int(v) for v in values]
+    return str(values[0]) if len(set(values)) == 1 else ", ".join(map(str, values))

@@ -33,6 +33,7 @@ batch by index on the worker that trains it (`WorkerInput.one_pass`, a
 
 import dataclasses
 import math
+import re
 
 import numpy as np
 import tensorflow as tf
@@ -170,6 +171,21 @@ _WHERE_INSTEAD = {
 }
 
 
+def _made_here(dataset, arg):
+    """`dataset`, rebuilt on the cluster's chief when it was made before the strategy
+    connected to the cluster; a ValueError when it cannot be."""
+    try:
+        return _tf_compat.on_this_context(dataset)
+    except _tf_compat.Unserializable as e:
+        reason = re.sub(r"\{\{function_node [^}]*\}\}\s*|\s*\[Op:.*$", "", e.reason)
+        raise ValueError(
+            f"`{arg}` was made before the strategy connected to the cluster, and it uses "
+            f"state of this process that TensorFlow cannot move to the cluster's devices "
+            f"(TensorFlow says {reason!r}). Received: a tf.data.Dataset made on "
+            f"/job:localhost. Create the strategy first (the line after the imports), then "
+            f"build the data and its preprocessing (lookup tables, FeatureSpace).") from None
+
+
 def _check_no_extra(arg, kind, **extras):
     for name, value in extras.items():
         if value is not None:
@@ -220,6 +236,7 @@ def adapt(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True, train
     if isinstance(x, tf.data.Dataset):
         _check_no_extra(arg, "tf.data.Dataset", y=y, sample_weight=sample_weight,
                         batch_size=batch_size)
+        x = _made_here(x, arg)
         cardinality = int(x.cardinality())
         if sharded:
             if cardinality == tf.data.INFINITE_CARDINALITY:
