@@ -6,7 +6,8 @@ Files in one local directory (`RUN_DIR/membership`, named to the chief by
 - `request-<n>.json` + `.ready`: "scale to N workers" (`kfit-ps scale`,
   `kfit_ps.scale`); the launcher takes the newest request and removes the rest.
 - `<generation>.json` + `.ready`: the launcher's worker list
-  (`{"generation": g, "workers": ["host:port", ...]}`). Generations grow; the
+  (`{"generation": g, "workers": ["host:port", ...]}`), from `kfit-ps scale`
+  (`launch.scaling`) or from DNS (`launch.discovery`). Generations grow; the
   chief applies the newest at its next safe point (`kfit_ps.training.resilience.elastic`).
 - `<generation>.applied`: the chief now trains on exactly that list. The
   launcher stops a removed worker only after this marker (or once the chief that

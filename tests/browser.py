@@ -1,10 +1,9 @@
 """A real headless browser for tests: Debian's `chromium`, as CI installs it (`.ci/run`)."""
 
-import os
 import shutil
 import subprocess
 
-import pytest
+from tests import helpers
 
 INSTALL = "apt-get install -y chromium  (Debian/Ubuntu, as root; `.ci/run` does it)"
 # The flags the machine's closed network needs (no background connections), as root.
@@ -14,16 +13,13 @@ FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 
 
 def chromium():
-    """The browser's path; without one the test fails in CI (`KFIT_PS_REQUIRE_BROWSER=1`)
-    and is skipped elsewhere, saying how to install it."""
+    """The browser's path; without one the test fails in CI and is skipped elsewhere,
+    saying how to install it (`helpers.missing_tool`)."""
     for name in ("chromium", "chromium-browser", "google-chrome"):
         path = shutil.which(name)
         if path:
             return path
-    message = f"no headless Chromium on this machine; install it: {INSTALL}"
-    if os.environ.get("KFIT_PS_REQUIRE_BROWSER") == "1":
-        pytest.fail(message)
-    pytest.skip(message)
+    helpers.missing_tool(f"no headless Chromium on this machine; install it: {INSTALL}")
 
 
 def rendered_dom(url, profile_dir, wait_ms=4000):

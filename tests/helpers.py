@@ -63,6 +63,17 @@ def wait_for_no_servers(pids=None, exclude=(), timeout=10.0):
 _HANDED_OUT = set()
 
 
+def missing_tool(message):
+    """A test needs a tool this machine lacks (`message` says how to install it): it fails
+    where every tool must be present (CI: `KFIT_PS_REQUIRE_TOOLS=1`, set by `.ci/run`,
+    which installs them), and is skipped elsewhere."""
+    import pytest
+
+    if os.environ.get("KFIT_PS_REQUIRE_TOOLS") == "1":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
 def free_port():
     """A port free on this machine right now, never one this process was handed before (the
     kernel may hand a just-closed probe port out again, and a spec with it twice is invalid)."""

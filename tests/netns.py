@@ -4,7 +4,9 @@
 bridge; each host gets a veth pair to the bridge and the address 10.213.0.<10+i>/24.
 Nothing is added to this machine's own network namespace (the veth pairs are
 moved out as soon as they are made). `run(host, args)` starts a process inside
-a host. `close()` kills those processes and deletes every namespace; a
+a host; `use_nameserver(address)` gives every host its own /etc/resolv.conf
+(`ip netns exec` mounts /etc/netns/<namespace>/ over /etc). `close()` kills those
+processes and deletes every namespace and its /etc/netns folder; a
 session-level sweep (`remove_leftovers`) removes namespaces of earlier runs
 that died before their cleanup.
 
@@ -18,6 +20,7 @@ import uuid
 
 PREFIX = "kfitps-"
 SUBNET = "10.213.0"
+ETC = "/etc/netns"
 
 
 def unavailable():
@@ -33,12 +36,22 @@ def _ip(*args, check=True):
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
 
 
+def _remove_if_empty(path):
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass  # Not empty (another run's hosts), or never made.
+
+
 def remove_leftovers():
     """Deletes namespaces that a killed test run left behind."""
     listing = _ip("netns", "list", check=False).stdout.split()
     for name in listing:
         if name.startswith(PREFIX):
             _ip("netns", "del", name, check=False)
+    for name in os.listdir(ETC) if os.path.isdir(ETC) else ():
+        if name.startswith(PREFIX):
+            shutil.rmtree(os.path.join(ETC, name), ignore_errors=True)
 
 
 class Hosts:
@@ -69,6 +82,13 @@ class Hosts:
         _ip("-n", ns, "link", "set", inside, "up")
         _ip("-n", ns, "link", "set", "lo", "up")
 
+    def use_nameserver(self, address):
+        """Every host resolves names through the DNS server at `address` (only)."""
+        for ns in self.namespaces.values():
+            os.makedirs(os.path.join(ETC, ns), exist_ok=True)
+            with open(os.path.join(ETC, ns, "resolv.conf"), "w") as f:
+                f.write(f"nameserver {address}\noptions timeout:1 attempts:1\n")
+
     def run(self, host, args, **popen_kwargs):
         """Starts `args` inside `host`'s namespace (the caller reaps it; `close` kills it)."""
         from tests import helpers
@@ -85,3 +105,5 @@ class Hosts:
             proc.wait()
         for ns in [*self.namespaces.values(), self.switch]:
             _ip("netns", "del", ns, check=False)
+            shutil.rmtree(os.path.join(ETC, ns), ignore_errors=True)
+        _remove_if_empty(ETC)

@@ -230,3 +230,61 @@ def test_cli_prints_valid_yaml():
                          cwd=helpers.ROOT, timeout=120)
     assert bad.returncode == 2 and "--cpu: must be TYPE=VALUE" in bad.stderr
     json.dumps(objects)  # plain data
+
+
+@pytest.mark.parametrize("form", ["statefulsets", "jobset"])
+def test_workers_found_through_dns_up_to_max_workers(form):
+    """With `max_workers`, the chief's launcher finds the workers through DNS: its pattern
+    names exactly the workers TF_CONFIG lists (so a pod scaled in up to the maximum has its
+    task), and in the StatefulSet form a terminating worker loses its name at once and is
+    drained before it stops."""
+    from kfit_ps.launch import discovery, jobset
+    from kfit_ps.launch.config import LAUNCH_DEFAULTS, LaunchConfig
+
+    config = job(max_workers=6)
+    objects = render(config) if form == "statefulsets" else jobset.render(config)
+    if form == "statefulsets":
+        validate(objects)
+    [command] = [c for c in _commands(objects) if "--discover-workers" in c]
+    pattern = command[command.index("--discover-workers") + 1]
+    assert command[command.index("--max-workers") + 1] == "6"
+    [cluster] = set(_clusters(objects))  # every pod's TF_CONFIG names one cluster
+    workers = json.loads(cluster)["worker"]
+    assert workers == [pattern.replace("{i}", str(i)) for i in range(6)]
+    LaunchConfig(command=("python", "t.py"), tasks=(("chief", 0),), discover_workers=pattern,
+                 max_workers=6)  # what the chief's launcher parses
+    assert discovery.WorkerPattern.parse(pattern).indexed
+    if form == "statefulsets":
+        [service] = [o for o in objects if o["metadata"]["name"] == "ctr-worker"
+                     and o["kind"] == "Service"]
+        assert service["spec"]["publishNotReadyAddresses"] is False
+        [workers_set] = [o for o in objects if o["metadata"]["name"] == "ctr-worker"
+                         and o["kind"] == "StatefulSet"]
+        assert workers_set["spec"]["replicas"] == 4
+        pod = workers_set["spec"]["template"]["spec"]
+        drain = pod["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert drain > LAUNCH_DEFAULTS["discovery_grace"]
+        assert pod["terminationGracePeriodSeconds"] > drain
+
+
+def _commands(value):
+    if isinstance(value, dict):
+        if "command" in value and isinstance(value["command"], list):
+            yield value["command"]
+        for item in value.values():
+            yield from _commands(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _commands(item)
+
+
+def _clusters(value):
+    if isinstance(value, dict):
+        if value.get("name") == "TF_CONFIG" and "value" in value:
+            yield json.dumps(json.loads(value["value"].replace("$(KFIT_PS_TASK_INDEX)", "0"))
+                             ["cluster"])
+        for item in value.values():
+            yield from _clusters(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _clusters(item)

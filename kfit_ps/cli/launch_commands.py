@@ -86,7 +86,10 @@ def cmd_run(args, parser):
                               liveness_timeout=args.liveness_timeout,
                               status_port=args.status_port,
                               status_address=args.status_address,
-                              ps_recovery=args.ps_recovery)
+                              ps_recovery=args.ps_recovery,
+                              discover_workers=args.discover_workers,
+                              max_workers=args.max_workers,
+                              discovery_grace=args.discovery_grace)
     except ValueError as e:
         parser.error(str(e))
     return Supervisor(config).run()
@@ -181,7 +184,7 @@ def cmd_manifests(args, parser):
             max_restarts=args.max_restarts, grace=args.grace, status_port=args.status_port,
             cpu=_resources(parser, "--cpu", args.cpu),
             memory=_resources(parser, "--memory", args.memory),
-            ttl_after_finished=args.ttl_after_finished)
+            ttl_after_finished=args.ttl_after_finished, max_workers=args.max_workers)
         objects = render[args.format](config)
     except ValueError as e:
         parser.error(str(e))
@@ -274,6 +277,19 @@ def add_parsers(sub):
     run.add_argument("--tasks", default=None,
                      help="multi-host form: this host's tasks of TF_CONFIG's cluster, e.g. "
                           "ps:0,worker:1 (chief:0 runs the command)")
+    run.add_argument("--discover-workers", default=None, metavar="PATTERN",
+                     help="with --tasks chief:0: find the workers through DNS, as HOST:PORT "
+                          "with {i} for the index (e.g. job-worker-{i}.job-worker.ns.svc:2222) "
+                          "or a headless Service's HOST:PORT (its A records); workers join "
+                          "as their names resolve and serve, and leave when they stop "
+                          "resolving (default: TF_CONFIG's workers)")
+    run.add_argument("--max-workers", type=int, default=_default("max_workers"),
+                     help="with --discover-workers: the most workers, the indices 0..N-1 "
+                          f"asked (default {_shown('max_workers')})")
+    run.add_argument("--discovery-grace", type=float, default=_default("discovery_grace"),
+                     help="with --discover-workers: seconds a worker's name may stop "
+                          "resolving before it is removed (default "
+                          f"{_shown('discovery_grace')})")
     run.add_argument("chief_command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                      help="the chief's command, e.g. -- python train.py")
     run.set_defaults(handler=cmd_run)
@@ -319,6 +335,10 @@ def add_parsers(sub):
                                 "the runtime's")
     manifests.add_argument("--image", required=True, help="container image")
     manifests.add_argument("--workers", type=int, default=_manifest_default("num_workers"))
+    manifests.add_argument("--max-workers", type=int, default=None,
+                           help="workers found through DNS: the chief takes the workers "
+                                "whose names resolve, up to this many, so `kubectl scale` of "
+                                "the workers is all a change takes (default: --workers, fixed)")
     manifests.add_argument("--ps", type=int, default=_manifest_default("num_ps"))
     manifests.add_argument("--namespace", default=_manifest_default("namespace"))
     manifests.add_argument("--port", type=int, default=_manifest_default("port"))

@@ -3,6 +3,7 @@
 import dataclasses
 
 from kfit_ps import constants, validation
+from kfit_ps.launch.discovery import WorkerPattern
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,17 @@ class LaunchConfig:
             (`kfit_ps.training.resilience.ps_recovery`; where that is impossible, the job
             restarts). `"restart"`: the job restarts from the last backup.
             Defaults to "in-place".
+        discover_workers: where the workers are found through DNS, on the chief's host of
+            a multi-host job (`tasks` with `"chief", 0` and no worker): `HOST:PORT` with
+            `{i}` for the worker's index (the names of indices 0 .. `max_workers`-1 that
+            resolve), or a headless Service's name and port (its A records). The chief
+            trains on the workers that resolve and serve; `TF_CONFIG`'s worker list is
+            not used (`launch.discovery`). Defaults to None: `TF_CONFIG`'s workers.
+        max_workers: with `discover_workers`, the most workers (the indices asked).
+            Defaults to 16.
+        discovery_grace: with `discover_workers`, seconds a worker's name may stop
+            resolving (a pod restarting under its name) before the worker is removed.
+            Defaults to 30.
     """
 
     command: tuple = ()
@@ -70,6 +82,9 @@ class LaunchConfig:
     status_port: int = 0
     status_address: str = "127.0.0.1"
     ps_recovery: str = "in-place"
+    discover_workers: str = None
+    max_workers: int = 16
+    discovery_grace: float = 30.0
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -92,7 +107,7 @@ class LaunchConfig:
                              f"chief takes the next one). Received: status_port="
                              f"{self.status_port}. Pass 0 for a free port.")
         for name in ("backoff", "max_backoff", "ps_failure_grace", "grace", "healthy_period",
-                     "liveness_timeout"):
+                     "liveness_timeout", "discovery_grace"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"LaunchConfig: `{name}` must be a number of seconds >= 0. "
@@ -113,6 +128,10 @@ class LaunchConfig:
                 raise ValueError("LaunchConfig: `tasks` must name at least one task. "
                                  "Received: tasks=(). Example: --tasks ps:0,worker:1")
         runs_chief = self.tasks is None or ("chief", 0) in self.tasks
+        set_("max_workers", validation.check_int("max_workers", self.max_workers, 1,
+                                                 owner="LaunchConfig", hint="(--max-workers)"))
+        if self.discover_workers is not None:
+            self._check_discovery(runs_chief)
         if runs_chief and not self.command:
             raise ValueError(
                 "LaunchConfig: the chief needs a command. Received: command=(). Example: "
@@ -121,6 +140,17 @@ class LaunchConfig:
             raise ValueError(
                 f"LaunchConfig: a command runs as the chief, but tasks={self.tasks} has no "
                 "'chief:0'. Add chief:0 to --tasks on the chief's host, or drop the command.")
+
+    def _check_discovery(self, runs_chief):
+        WorkerPattern.parse(self.discover_workers)  # Names the flag when it is malformed.
+        workers_here = self.tasks and any(t == constants.WORKER for t, _ in self.tasks)
+        if self.tasks is None or not runs_chief or workers_here:
+            raise ValueError(
+                "LaunchConfig: `discover_workers` (--discover-workers) finds the workers of a "
+                "multi-host job for its chief: it needs tasks with chief:0 and no worker. "
+                f"Received: tasks={self.tasks}. Example: kfit-ps run --tasks chief:0 "
+                "--discover-workers job-worker-{i}.job-worker.default.svc:2222 -- python "
+                "train.py")
 
     @property
     def runs_chief(self):

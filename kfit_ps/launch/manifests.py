@@ -68,6 +68,9 @@ DEFAULT_REQUESTS = {"chief": {"cpu": "1", "memory": "2Gi"},
 # Seconds Kubernetes waits after the chief's SIGTERM beyond its `--grace`, for the
 # launcher to stop the servers of its pod.
 SHUTDOWN_MARGIN = 10
+# With `max_workers`: seconds a terminating worker serves past the chief's discovery grace,
+# for the chief's safe point and drain.
+DRAIN_SECONDS = 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +108,15 @@ class ManifestConfig:
         ttl_after_finished: the JobSet and Trainer-runtime forms only: seconds after
             which a finished JobSet is deleted (`ttlSecondsAfterFinished`), or None to keep it.
             Defaults to None.
+        max_workers: workers found through DNS (elastic): `TF_CONFIG` names workers
+            0 .. `max_workers`-1 and the chief's launcher runs with `--discover-workers
+            <the workers' name pattern> --max-workers <max_workers>`, so scaling the
+            worker set (`kubectl scale`, up to `max_workers`) is all a change of workers
+            takes (`kfit_ps.launch.discovery`). In the StatefulSet form a worker's name
+            then resolves only while its pod is ready (`publishNotReadyAddresses:
+            false`), and a terminating worker keeps serving `DRAIN_SECONDS` past the
+            chief's `--discovery-grace` (a `preStop` sleep), so it is drained before it
+            stops. Defaults to None: the fixed `num_workers`.
     """
 
     name: str
@@ -128,6 +140,7 @@ class ManifestConfig:
     cpu: dict = dataclasses.field(default_factory=dict)
     memory: dict = dataclasses.field(default_factory=dict)
     ttl_after_finished: int = None
+    max_workers: int = None
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -154,6 +167,10 @@ class ManifestConfig:
                                              owner="ManifestConfig"))
         set_("ttl_after_finished", validation.check_optional_int(
             "ttl_after_finished", self.ttl_after_finished, 0, owner="ManifestConfig"))
+        set_("max_workers", validation.check_optional_int(
+            "max_workers", self.max_workers, self.num_workers, owner="ManifestConfig",
+            hint=f"(--max-workers) It must be at least the {self.num_workers} workers the "
+                 "job starts with (--workers)."))
         if self.status_port in (self.port, self.port - 1) or self.status_port > 65534:
             raise ValueError(
                 "ManifestConfig: `status_port` and the next port (the chief's metrics) must "
@@ -163,8 +180,10 @@ class ManifestConfig:
             set_("backup_dir", f"{self.mount_path.rstrip('/')}/backup")
 
     def tasks(self):
-        """`(type, index)` of every task, chief first."""
-        tasks = [("chief", 0)] + [("worker", i) for i in range(self.num_workers)]
+        """`(type, index)` of every task `TF_CONFIG` names, chief first (with `max_workers`,
+        every worker there may be)."""
+        workers = self.max_workers or self.num_workers
+        tasks = [("chief", 0)] + [("worker", i) for i in range(workers)]
         tasks += [("ps", i) for i in range(self.num_ps)]
         return tasks + ([("evaluator", 0)] if self.evaluator_command else [])
 
@@ -234,13 +253,17 @@ def _scrape_annotations(config):
             "prometheus.io/path": "/metrics"}
 
 
-def launcher_command(config, task_type, index):
-    """`kfit-ps run --tasks <type>:<index> ...` of a pod; the chief's runs the job's command."""
+def launcher_command(config, task_type, index, address=None):
+    """`kfit-ps run --tasks <type>:<index> ...` of a pod; the chief's runs the job's command
+    (with `max_workers`, finding the workers named by `address(type, index)` through DNS)."""
     command = ["kfit-ps", "run", "--tasks", f"{task_type}:{index}", "--max-restarts",
                str(config.max_restarts)]
     if task_type != "chief":
         return command + _status_flags(config)
     command += ["--grace", str(config.grace), *_status_flags(config)]
+    if config.max_workers:
+        pattern = (address or config.address)("worker", "{i}")
+        command += ["--discover-workers", pattern, "--max-workers", str(config.max_workers)]
     if config.backup_dir:
         command += ["--backup-dir", config.backup_dir, "--save-freq", str(config.save_freq)]
     return command + ["--", *config.command]
@@ -296,7 +319,7 @@ def pod_template(config, task_type, restart_policy, index_label=None, address=No
         env.insert(0, {"name": INDEX_ENV, "valueFrom": {"fieldRef": {
             "fieldPath": f"metadata.labels['{index_label}']"}}})
     command = (config.evaluator_command if task_type == "evaluator"
-               else launcher_command(config, task_type, index))
+               else launcher_command(config, task_type, index, address))
     spec = _pod_spec(config, _container(config, task_type, env, command), restart_policy)
     meta = {"labels": labels(config, task_type)}
     if task_type != "evaluator":  # A launcher: scraped.
@@ -306,6 +329,16 @@ def pod_template(config, task_type, restart_policy, index_label=None, address=No
     return {"metadata": meta, "spec": spec}
 
 
+def _drained_before_it_stops(template):
+    """A discovered worker's pod (StatefulSet form): its name is gone as it starts
+    terminating (its Service publishes ready pods only); it serves on through the chief's
+    discovery grace and drain (a `preStop` sleep), then its launcher gets SIGTERM."""
+    drain = int(LAUNCH_DEFAULTS["discovery_grace"]) + DRAIN_SECONDS
+    template["spec"]["containers"][0]["lifecycle"] = {"preStop": {"sleep": {"seconds": drain}}}
+    template["spec"]["terminationGracePeriodSeconds"] = drain + SHUTDOWN_MARGIN
+    return template
+
+
 def chief_failure_handling():
     """The chief Job's fields that decide what a failed chief pod means (see the module doc)."""
     return {"podReplacementPolicy": "Failed",
@@ -313,11 +346,13 @@ def chief_failure_handling():
 
 
 def _service(config, task_type, index=0):
+    # Discovered workers resolve only while ready: a terminating one's name goes at once.
+    discovered = task_type == "worker" and config.max_workers is not None
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": metadata(config, config.service_name(task_type, index),
                                  labels(config, task_type)),
             "spec": {"clusterIP": "None", "selector": labels(config, task_type),
-                     "publishNotReadyAddresses": True,
+                     "publishNotReadyAddresses": not discovered,
                      "ports": [{"name": "grpc", "port": config.port,
                                 "targetPort": config.port}]}}
 
@@ -325,12 +360,15 @@ def _service(config, task_type, index=0):
 def _servers(config, task_type, replicas):
     """A StatefulSet of one server type: pod `i` is task `<type>:<i>`."""
     selector = labels(config, task_type)
+    template = pod_template(config, task_type, "Always", POD_INDEX_LABEL)
+    if task_type == "worker" and config.max_workers:
+        template = _drained_before_it_stops(template)
     return {"apiVersion": "apps/v1", "kind": "StatefulSet",
             "metadata": metadata(config, config.service_name(task_type), selector),
             "spec": {"replicas": replicas, "serviceName": config.service_name(task_type),
                      "podManagementPolicy": "Parallel",
                      "selector": {"matchLabels": selector},
-                     "template": pod_template(config, task_type, "Always", POD_INDEX_LABEL)}}
+                     "template": template}}
 
 
 def _job(config, task_type):

@@ -88,3 +88,6 @@ class Scaler:
                  + (f"..worker:{current - 1}" if current - workers > 1 else "")
                  + ", then they stop")
         return True
+
+    def close(self):
+        """Nothing to release: the workers are the cluster's (`LocalCluster.stop`)."""

@@ -6,7 +6,8 @@ watches them all. What it does when one ends is `policy.RestartPolicy`'s
 decision; this module only carries it out:
 
 - a worker is restarted at its address, and TensorFlow takes it back; workers
-  join and leave on `kfit-ps scale` (`launch.scaling`);
+  join and leave on `kfit-ps scale` (`launch.scaling`), or, with
+  `--discover-workers`, as their names resolve in DNS (`launch.discovery`);
 - a lost ps is restarted alone and the chief restores it in place
   (`--ps-recovery in-place`, the default); with `restart`, or when the chief
   cannot, its `fit` stops (`ParameterServerError`; stopped after
@@ -40,7 +41,7 @@ from kfit_ps import constants, exit_status
 from kfit_ps.cluster.local import LocalCluster
 from kfit_ps.cluster.start_errors import ServerNotReady
 from kfit_ps.cluster.spec import ClusterConfig
-from kfit_ps.launch import chief_process, chief_watch
+from kfit_ps.launch import chief_process, chief_watch, discovery
 from kfit_ps.launch.events import TaskExit
 from kfit_ps.launch.job_view import JobView
 from kfit_ps.launch.liveness import LivenessWatch
@@ -85,7 +86,7 @@ class Supervisor:
         self._chief_watch = None  # a host of ps tasks without the chief watches it
         self._liveness = LivenessWatch(config.liveness_timeout)
         self.view = None  # Metrics, events, the status page: from the start of the run.
-        self._scaler = None  # `kfit-ps scale` requests (a job with the chief here)
+        self._scaler = None  # `kfit-ps scale` requests, or DNS (a job with the chief here)
 
     def say(self, message):
         print(f"kfit-ps run: {message}", file=self.out, flush=True)
@@ -139,12 +140,19 @@ class Supervisor:
         os.makedirs(self.run_dir, exist_ok=True)
         self.say(f"{self.config!r}; logs in {self.run_dir}")
         self.view = JobView.open(self.config, self.run_dir, self.say)
-        if self.config.runs_chief:
+        if self.config.discover_workers:
+            self._scaler = discovery.DiscoveredWorkers(
+                self.run_dir, self.say, self.view, self.config.discover_workers,
+                self.config.max_workers, self.config.discovery_grace)
+        elif self.config.runs_chief:
             self._scaler = Scaler(self.run_dir, self.say, self.view)
         if self.config.runs_chief and not self.config.backup_dir:
             self.say("no --backup-dir: if the chief or a ps is lost, the job starts over from "
                      "the beginning (unless the script uses kfit_ps.callbacks.BackupAndRestore)")
         self._start_servers()
+        if self.config.discover_workers:
+            workers = self._scaler.wait_for_workers()
+            self.say(f"workers from DNS: {', '.join(workers)}")
         if self.config.runs_chief:
             self._start_chief()
         else:
@@ -188,7 +196,11 @@ class Supervisor:
         if self.config.tasks is None:
             tf_config = self.cluster.config.to_tf_config(constants.CHIEF, 0)
         else:
-            tf_config = ClusterConfig.from_tf_config().to_tf_config(constants.CHIEF, 0)
+            config = ClusterConfig.from_tf_config()
+            if self.config.discover_workers:  # The workers DNS found, as last published.
+                config = ClusterConfig(dict(config.cluster, worker=self._scaler.workers),
+                                       source=f"{config.source} and --discover-workers")
+            tf_config = config.to_tf_config(constants.CHIEF, 0)
         env = chief_process.environment(tf_config, self.config.backup_dir,
                                         self.config.save_freq, self.run_dir,
                                         metrics_port=self.view.chief_metrics_port,
@@ -410,6 +422,8 @@ class Supervisor:
         self.view.write_tasks(tasks, dict(self.policy.failures))
 
     def _shutdown(self):
+        if self._scaler is not None:
+            self._scaler.close()
         if self.chief is not None:
             self.chief.stop()
             self.chief.close()

@@ -29,10 +29,12 @@ KINDS = {  # kind: what it says, and who writes it (the docs print this table).
                  "the signal that killed it)",
     "task_done": "launcher: a task's process finished its work (`status` 0)",
     "task_removed": "launcher: a worker left the job (`kfit-ps scale`): drained by the chief, "
-                    "then stopped",
+                    "then stopped; a worker found through DNS (`address`): drained by the chief "
+                    "once its name stopped resolving",
     "restart": "launcher: a task was started again (`pid`, `cause`: the restart reason)",
     "scale": "launcher: a scale request was taken (`workers`: how many the job is to have)",
-    "worker_ready": "launcher: a worker added by `kfit-ps scale` serves (`pid`)",
+    "worker_ready": "launcher: a worker added by `kfit-ps scale` serves (`pid`), or one found "
+                    "through DNS resolves and serves (`address`)",
     "workers": "chief: it trains on a new set of workers (`workers`, `addresses`)",
     "first_step": "chief: a worker that joined finished its first function (`seconds` after "
                   "the chief took it)",

@@ -2,8 +2,9 @@
 
 Under `kfit-ps run`, the launcher publishes the job's worker list
 (`kfit_ps.membership`, in the directory named by `KFIT_PS_MEMBERSHIP`)
-whenever `kfit-ps scale` changes it. `fit` (and `evaluate`) ask `pending()`
-while they schedule and join; when a new list is there:
+whenever `kfit-ps scale` or DNS (`--discover-workers`) changes it. `fit`
+(and `evaluate`) ask `pending()` while they schedule and join; when a new
+list is there:
 
 1. nothing more is scheduled; the functions no worker has started are dropped
    (`cluster_health.join(cancel_when=...)`, the same path as a SIGTERM) and the
