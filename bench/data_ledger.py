@@ -26,18 +26,24 @@ excluded):
   TFRecord files (written once per run), read by `TFRecordDataset(files)
   .batch(b).map(parse_example)`: one-pass epochs (each batch read from its
   byte offset, `kfit_ps/ledger/files.py`) against the same pipeline repeated,
-  with `steps_per_epoch`.
+  with `steps_per_epoch`;
+- `files_data_service`: tf.data service's `distributed_epoch` of that pipeline
+  over the same files, as `data_service`. The service splits a file list by
+  file (its split provider hands out file names: 8 splits), so each tf.data
+  worker reads and batches whole files; it cannot split by record, as the
+  records' offsets are not known to it (the ledger's file index finds them).
 
 Failures (`--kills` SIGKILLs of training workers at seeded random points of
-one epoch, each restarted 0.3 s later), `ledger` and `data_service`: examples
-lost (trained 0 times), duplicated (trained more than once), and for the
-ledger what it reported as re-run.
+one epoch, each restarted 0.3 s later), `ledger`, `data_service` and
+`files_data_service`: examples lost (trained 0 times), duplicated (trained
+more than once), and for the ledger what it reported as re-run.
 
 The file index (`--index-megabytes` of TFRecord files of Criteo-sized records,
 about 200 bytes each, and as much CSV text): seconds to index them on one core
 of the chief, per GB, just after writing them (in the page cache).
 
     python bench/data_ledger.py                    # docs/benchmarks.md
+    python bench/data_ledger.py --contenders files_ledger,files_stream  # some contenders
 """
 
 import argparse
@@ -57,8 +63,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-THROUGHPUT = ("ledger", "stream", "data_service", "files_ledger", "files_stream")
-FAILURES = ("ledger_kills", "data_service_kills")
+THROUGHPUT = ("ledger", "stream", "data_service", "files_ledger", "files_stream",
+              "files_data_service")
+FAILURES = ("ledger_kills", "data_service_kills", "files_data_service_kills")
 INDEX = "index"
 _RECORD_BYTES = 200  # A Criteo example as a tf.train.Example, about.
 SPE = 5
@@ -96,11 +103,9 @@ def _model(num_examples, features):
     return model
 
 
-def _tfrecord_files(args):
+def _tfrecord_paths(args):
     """The examples of `_arrays(args)` as `tf.train.Example`s in 8 TFRecord files of
-    `args.data_dir` (written by the first child that needs them), and a pipeline that reads
-    them as a user writes one (the tests' `indexed_files` and `indexed_file_dataset`, which
-    make the same examples)."""
+    `args.data_dir` (written by the first child that needs them): their paths."""
     sys.path.insert(0, ROOT)
     from tests import helpers
 
@@ -113,7 +118,17 @@ def _tfrecord_files(args):
         paths = helpers.indexed_files(args.data_dir, "tfrecord", features=args.features,
                                       sizes=[b - a for a, b in zip(bounds, bounds[1:])])
         open(done, "w").close()
-    return helpers.indexed_file_dataset(paths, args.batch_size, features=args.features)
+    return paths
+
+
+def _tfrecord_files(args):
+    """A pipeline that reads `_tfrecord_paths(args)` as a user writes one (the tests'
+    `indexed_files` and `indexed_file_dataset`, which make the same examples)."""
+    sys.path.insert(0, ROOT)
+    from tests import helpers
+
+    return helpers.indexed_file_dataset(_tfrecord_paths(args), args.batch_size,
+                                        features=args.features)
 
 
 def _arrays(args):
@@ -160,35 +175,54 @@ class _DataService:
         self.workers = [service.WorkerServer(service.WorkerConfig(dispatcher_address=address))
                         for _ in range(2)]
 
-    def creator(self, arrays, batch_size, job_name):
-        """A DatasetCreator: each training worker reads the shared job `job_name`, then padding
-        (index -1) once the service's epoch is over."""
+    def creator(self, source, features, job_name):
+        """A DatasetCreator: each training worker reads the shared job `job_name` of the
+        dataset `source()` makes, then padding (index -1) once the service's epoch is over."""
         import numpy as np
         import tensorflow as tf
 
         import kfit_ps
 
         target = self.dispatcher.target
-        (x, _), _ = arrays
-        pad = ((np.zeros((1, x.shape[1]), "float32"), np.full((1,), -1, np.int64)),
+        pad = ((np.zeros((1, features), "float32"), np.full((1,), -1, np.int64)),
                np.zeros((1, 1), "float32"))
 
-        num_examples = len(x)
-
         def dataset_fn(context):
-            (features, index), targets = tf.nest.map_structure(tf.constant, arrays)
-
-            def batch(b):  # The service splits its source: one split per batch index.
-                start = b * batch_size
-                stop = tf.minimum(start + batch_size, num_examples)
-                return (features[start:stop], index[start:stop]), targets[start:stop]
-
-            data = tf.data.Dataset.range(-(-num_examples // batch_size)).map(batch)
-            shared = data.apply(tf.data.experimental.service.distribute(
+            shared = source().apply(tf.data.experimental.service.distribute(
                 processing_mode="distributed_epoch", service=target, job_name=job_name))
             return shared.concatenate(tf.data.Dataset.from_tensors(pad).repeat())
 
         return kfit_ps.DatasetCreator(dataset_fn)
+
+
+def _array_batches(arrays, batch_size):
+    """`source()` for `_DataService.creator`: the arrays' batches, one split per batch."""
+    import tensorflow as tf
+
+    num_examples = len(arrays[1])
+
+    def source():
+        (features, index), targets = tf.nest.map_structure(tf.constant, arrays)
+
+        def batch(b):  # The service splits its source: one split per batch index.
+            start = b * batch_size
+            stop = tf.minimum(start + batch_size, num_examples)
+            return (features[start:stop], index[start:stop]), targets[start:stop]
+
+        return tf.data.Dataset.range(-(-num_examples // batch_size)).map(batch)
+
+    return source
+
+
+def _file_batches(args):
+    """`source()` for `_DataService.creator`: `_tfrecord_files`' pipeline over its files. The
+    service splits a file list by file: each tf.data worker reads whole files, one split each,
+    and batches the records of the files it was handed (its last batch may be short)."""
+    paths = _tfrecord_paths(args)
+    sys.path.insert(0, ROOT)
+    from tests import helpers
+
+    return lambda: helpers.indexed_file_dataset(paths, args.batch_size, features=args.features)
 
 
 def _kill_workers(cluster, model, args, seed):
@@ -255,7 +289,10 @@ def run_child(args):
         return
     arrays = _arrays(args)
     batches = -(-args.examples // args.batch_size)
-    service = _DataService() if name.startswith("data_service") else None
+    service = _DataService() if "data_service" in name else None
+    if service is not None:  # What the service distributes: batches, or the files' pipeline.
+        source = (_file_batches(args) if name.startswith("files_")
+                  else _array_batches(arrays, args.batch_size))
     with child_process.local_cluster(args.workers, 1) as (cluster, strategy):
         with strategy.scope():
             model = _model(args.examples, args.features)
@@ -277,10 +314,10 @@ def run_child(args):
             model.fit(_tfrecord_files(args).repeat(), epochs=args.epochs,
                       steps_per_epoch=batches, verbose=0, callbacks=[times])
             seconds = times.seconds[1:]
-        elif name == "data_service":
+        elif name in ("data_service", "files_data_service"):
             seconds = []
             for epoch in range(args.epochs):  # one job per epoch; the first traces
-                model.fit(service.creator(arrays, args.batch_size, f"epoch{epoch}"), epochs=1,
+                model.fit(service.creator(source, args.features, f"epoch{epoch}"), epochs=1,
                           steps_per_epoch=batches + 4 * args.workers * SPE, verbose=0,
                           callbacks=[times])
             seconds = times.seconds[1:]
@@ -289,9 +326,9 @@ def run_child(args):
             if name == "ledger_kills":
                 data, steps = dataset, None
             else:
-                model.fit(service.creator(arrays, args.batch_size, "warmup"), epochs=1,
+                model.fit(service.creator(source, args.features, "warmup"), epochs=1,
                           steps_per_epoch=2 * SPE, verbose=0)
-                data, steps = service.creator(arrays, args.batch_size, "killed"), (
+                data, steps = service.creator(source, args.features, "killed"), (
                     batches + 4 * args.workers * SPE)
             model.counts.assign(tf.zeros([args.examples], tf.int32))
             with _kill_workers(cluster, model, args, args.seed) as kills:
@@ -326,6 +363,8 @@ def main(argv=None):
     parser.add_argument("--failure-repeats", type=int, default=1)
     parser.add_argument("--index-megabytes", type=int, default=1024,
                         help="input indexed for the index's cost, per kind (0: none)")
+    parser.add_argument("--contenders", default=",".join(THROUGHPUT + FAILURES),
+                        help="comma-separated contenders to run (default: all)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--child", choices=THROUGHPUT + FAILURES + (INDEX,), default=None,
                         help=argparse.SUPPRESS)
@@ -343,16 +382,22 @@ def main(argv=None):
         return child_process.measure(script, name, argv, run=lambda: run_child(
             parser.parse_args([*argv, "--child", name])))
 
+    chosen = args.contenders.split(",")
+    unknown = sorted(set(chosen) - set(THROUGHPUT + FAILURES))
+    if unknown:
+        parser.error(f"--contenders: unknown {', '.join(unknown)}; expected some of "
+                     f"{', '.join(THROUGHPUT + FAILURES)}")
+    throughput = tuple(n for n in THROUGHPUT if n in chosen)
     results = {name: [] for name in THROUGHPUT + FAILURES}
-    for repeat in range(args.repeats):
-        order = THROUGHPUT if repeat % 2 == 0 else tuple(reversed(THROUGHPUT))
+    for repeat in range(args.repeats if throughput else 0):
+        order = throughput if repeat % 2 == 0 else tuple(reversed(throughput))
         for name in order:
             results[name].append(measure(name, argv))
         print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(
-            f"{n} {results[n][-1]['examples_per_s']:,.0f} examples/s" for n in THROUGHPUT),
-            flush=True)
+            f"{n} {results[n][-1]['examples_per_s']:,.0f} examples/s" for n in throughput)
+            + f" (host load {os.getloadavg()[0]:.1f})", flush=True)
     for repeat in range(args.failure_repeats):
-        for name in FAILURES:
+        for name in (n for n in FAILURES if n in chosen):
             results[name].append(measure(name, [*argv, "--seed", str(args.seed + repeat)]))
             r = results[name][-1]
             print(f"{name}: {r['kills']} kills, lost {r['lost']}, duplicated {r['duplicated']}, "
@@ -366,19 +411,26 @@ def main(argv=None):
               for a, b in zip(results["ledger"], results["stream"])]
     file_ratios = [a["examples_per_s"] / b["examples_per_s"]
                    for a, b in zip(results["files_ledger"], results["files_stream"])]
+    service_ratios = [a["examples_per_s"] / b["examples_per_s"]
+                      for a, b in zip(results["files_data_service"], results["files_stream"])]
     summary = {
         "config": {k: v for k, v in vars(args).items() if k != "child"},
+        "host_load": os.getloadavg(),  # 1, 5 and 15 minutes, at the end
         "examples_per_s": {n: statistics.median(r["examples_per_s"] for r in runs)
                            for n, runs in results.items() if runs},
         "ratio_ledger_over_stream": {"median": statistics.median(ratios),
                                      "per_repeat": ratios} if ratios else None,
         "ratio_files_ledger_over_stream": {"median": statistics.median(file_ratios),
                                            "per_repeat": file_ratios} if file_ratios else None,
+        "ratio_files_data_service_over_stream": {
+            "median": statistics.median(service_ratios),
+            "per_repeat": service_ratios} if service_ratios else None,
         "runs": results,
         "index": index,
     }
-    for label, values in (("ledger / stream", ratios), ("TFRecord files: ledger / stream",
-                                                          file_ratios)):
+    for label, values in (("ledger / stream", ratios),
+                          ("TFRecord files: ledger / stream", file_ratios),
+                          ("TFRecord files: data service / stream", service_ratios)):
         if values:
             print(f"{label}: median {statistics.median(values):.2f} "
                   f"(per repeat {', '.join(f'{r:.2f}' for r in values)})")

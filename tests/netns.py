@@ -43,22 +43,40 @@ def _remove_if_empty(path):
         pass  # Not empty (another run's hosts), or never made.
 
 
+def _left_behind(name):
+    """Whether namespace `name` is ours and its owner (the pid in its name) is gone: two
+    test files at a time must not delete each other's live hosts."""
+    if not name.startswith(PREFIX):
+        return False
+    owner = name[len(PREFIX):].split("-", 1)[0]
+    if not owner.isdigit():
+        return True  # Named before owners were recorded.
+    try:
+        os.kill(int(owner), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
 def remove_leftovers():
-    """Deletes namespaces that a killed test run left behind."""
+    """Deletes namespaces that a killed test run left behind (their owner process is gone)."""
     listing = _ip("netns", "list", check=False).stdout.split()
     for name in listing:
-        if name.startswith(PREFIX):
+        if _left_behind(name):
             _ip("netns", "del", name, check=False)
     for name in os.listdir(ETC) if os.path.isdir(ETC) else ():
-        if name.startswith(PREFIX):
+        if _left_behind(name):
             shutil.rmtree(os.path.join(ETC, name), ignore_errors=True)
 
 
 class Hosts:
     def __init__(self, names):
-        self.tag = uuid.uuid4().hex[:6]
-        self.switch = f"{PREFIX}{self.tag}-sw"
-        self.namespaces = {name: f"{PREFIX}{self.tag}-{name}" for name in names}
+        self.tag = uuid.uuid4().hex[:6]  # In the veth names too (15 characters at most).
+        owned = f"{PREFIX}{os.getpid()}-{self.tag}"  # The owner: `remove_leftovers` reads it.
+        self.switch = f"{owned}-sw"
+        self.namespaces = {name: f"{owned}-{name}" for name in names}
         self.addresses = {name: f"{SUBNET}.{10 + i}" for i, name in enumerate(names)}
         self.processes = []
         try:

@@ -242,6 +242,12 @@ def test_data_ledger_reports_both_answers_to_worker_loss(scripts):
     [service] = result["runs"]["data_service_kills"]
     assert service["kills"] == 2 and service["trained"] + service["lost"] == LEDGER_EXAMPLES
     assert result["ratio_ledger_over_stream"]["median"] > 0
+    # tf.data service over the TFRecord files: throughput beside the files' ledger and stream,
+    # and its count of examples lost and duplicated under the same kills.
+    [files_service] = result["runs"]["files_data_service_kills"]
+    assert files_service["kills"] == 2
+    assert files_service["trained"] + files_service["lost"] == LEDGER_EXAMPLES
+    assert result["ratio_files_data_service_over_stream"]["median"] > 0
     assert result["ratio_files_ledger_over_stream"]["median"] > 0  # TFRecord files
     assert result["examples_per_s"]["data_service"] > 0
     for kind, records in (("TFRecord", 8 * 2**20 // 4 // 200 * 4), ("text", None)):

@@ -151,7 +151,7 @@ def test_compressed_files_are_whole_file_splits_of_their_own_batches(tmp_path, m
 
     @tf.function
     def split(first, count, epoch):  # As `fit`'s function: `count` steps, one reader.
-        next_batch = source.split_reader(data, first, epoch)
+        next_batch = source.split_reader(data, first, epoch, count)
         ids = tf.TensorArray(tf.int64, size=0, dynamic_size=True, infer_shape=False)
         for j in tf.range(count):
             ids = ids.write(tf.cast(j, tf.int32), next_batch(j)[0][1])
@@ -432,6 +432,50 @@ def test_a_shuffled_file_list_trains_a_new_seeded_order_of_batches_each_epoch(tm
     records = tf.data.TFRecordDataset(paths)
     with pytest.raises(ValueError, match=r"it shuffles its records or batches \(ShuffleDataset"):
         kfit_ps.ledger.dataset_source(records.shuffle(100).batch(BATCH), "x")
+
+
+@pytest.mark.parametrize("kind, compression", [("tfrecord", ""), ("csv", ""),
+                                               ("tfrecord", "GZIP")])
+def test_a_split_shuffle_mixes_each_splits_records_and_keeps_every_record_once(
+        model, tmp_path, kind, compression):
+    """`kfit_ps.ledger.split_shuffle(dataset, buffer_size)`: a split's records (5 batches; a
+    compressed file) in a seeded order of their own per epoch, the same on a re-run, the
+    split's records unchanged; `fit` trains every record once per epoch."""
+    paths = helpers.indexed_files(str(tmp_path), kind, compression=compression)
+    dataset = helpers.indexed_file_dataset(paths, BATCH, compression=compression)
+    plain = kfit_ps.ledger.dataset_source(dataset, "x")
+    shuffled = kfit_ps.ledger.split_shuffle(dataset, 1000, seed=7)
+    source = kfit_ps.ledger.dataset_source(dataset, "x", split_shuffle=shuffled)
+    assert source.describe() == dict(plain.describe(),
+                                     split_shuffle={"buffer_size": 1000, "seed": 7})
+    data = tf.data.Dataset.from_tensors(source.tables)
+
+    @tf.function
+    def split(source, first, count, epoch):
+        next_batch = source.split_reader(data, first, epoch, count)
+        return tf.concat([next_batch(j)[0][1] for j in range(count)], 0)
+
+    starts = (plain.whole_splits(0).starts[:2] if compression else [0, 5])
+    first, count = int(starts[0]), int(starts[1] - starts[0])
+    order = split(plain, first, count, 0).numpy()
+    mixed = [split(source, first, count, e).numpy() for e in (0, 0, 1)]
+    assert sorted(mixed[0]) == sorted(order)
+    assert len(set(order)) == plain.examples_in(first, count)
+    assert (mixed[0] != order).mean() > 0.9  # mixed across the split's batches
+    assert (mixed[0] == mixed[1]).all() and (mixed[0] != mixed[2]).mean() > 0.9
+    counts, logs = _counts_after(model, lambda: model.fit(shuffled, epochs=2, verbose=0))
+    assert (counts == 2).all() and logs["ledger_splits_lost"] == [0, 0]
+    with pytest.raises(ValueError, match="`steps_per_epoch` streams"):
+        model.fit(shuffled, epochs=1, steps_per_epoch=3, verbose=0)
+
+
+def test_a_split_shuffle_is_only_for_file_pipelines_in_fit(model):
+    with pytest.raises(ValueError, match="another source"):
+        model.fit(kfit_ps.ledger.split_shuffle(_dataset(), 100), epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="shuffles training data"):
+        model.evaluate(kfit_ps.ledger.split_shuffle(_dataset(), 100), verbose=0)
+    with pytest.raises(ValueError, match="buffer_size=1"):
+        kfit_ps.ledger.split_shuffle(_dataset(), 1)
 
 
 def test_text_batches_hold_exactly_the_lines_textlinedataset_reads(tmp_path):

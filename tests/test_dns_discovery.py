@@ -95,7 +95,9 @@ def test_a_kept_worker_never_changes_its_index():
     # b leaves from the middle: first a alone, then c again, as a new worker.
     assert discovery.next_step([a, b, c], [a, c, d]) == [a]
     assert discovery.next_step([a], [a, c, d]) == [a, c, d]
-    assert discovery.next_step([a, b], [b]) == []
+    # The first one leaves: no kept prefix, so the rest take new indices at once.
+    assert discovery.next_step([a, b], [b]) == [b]
+    assert discovery.next_step([a, b, c], [b, c, d]) == [b, c, d]
 
 
 def test_the_publisher_makes_one_change_at_a_time_and_refuses_scale_requests(tmp_path):
@@ -138,6 +140,57 @@ def test_the_publisher_makes_one_change_at_a_time_and_refuses_scale_requests(tmp
     assert not published.poll(None, chief_running=True)
     assert ("task_removed", "worker:1") in emitted and ("worker_ready", "worker:1") in emitted
     assert any("refused" in line and "DNS" in line for line in said), said
+
+
+def test_workers_that_only_take_a_new_index_are_not_told_to_stop(tmp_path):
+    """worker-1 of 0..3 leaves: the list shrinks to worker-0, then 2 and 3 come back at new
+    indices. Only worker-1 is told it may stop; with no chief running that is said too.
+    When worker-0 leaves, the others take new indices at once (no empty list, no stall)."""
+    emitted = []
+
+    class View:
+        def emit(self, kind, task=None, reason="", **fields):
+            emitted.append((kind, fields.get("address"), reason))
+
+    wanted = [[name(0), name(1), name(2), name(3)]]
+
+    class Wanted:
+        def poll(self, current):
+            return wanted[0]
+
+        def close(self):
+            pass
+
+    clock = Clock()
+    published = discovery.DiscoveredWorkers(str(tmp_path), [].append, View(),
+                                            "job-worker-{i}.svc:2222", 4, 5.0, dns=Wanted(),
+                                            clock=clock)
+    directory = str(tmp_path / membership.DIR_NAME)
+    published.wait_for_workers(sleep=lambda s: None)
+    membership.acknowledge(directory, 1)
+    wanted[0] = [name(0), name(2), name(3)]
+    for step, (expected, chief) in enumerate([([name(0)], True),
+                                              ([name(0), name(2), name(3)], True)]):
+        clock.now = 2.0 * (step + 1)
+        assert published.poll(None, chief_running=chief)
+        assert membership.latest(directory) == (step + 2, expected)
+        membership.acknowledge(directory, step + 2)
+    removed = [(address, reason) for kind, address, reason in emitted if kind == "task_removed"]
+    assert removed == [(name(1), f"{name(1)} left the job (drained by the chief): it may "
+                                 "stop now")]
+    wanted[0] = [name(2), name(3)]  # worker-0 goes; no chief runs now
+    clock.now = 10.0
+    assert published.poll(None, chief_running=False)
+    assert membership.latest(directory)[1] == [name(2), name(3)]
+    clock.now = 12.0
+    published.poll(None, chief_running=False)
+    removed = [(address, reason) for kind, address, reason in emitted if kind == "task_removed"]
+    assert removed[1:] == [(name(0), f"{name(0)} left the job (no chief is running: its next "
+                                     "start leaves it out): it may stop now")]
+
+
+def test_only_ipv4_addresses_are_workers():
+    assert discovery.resolve("localhost") == ["127.0.0.1"]
 
 
 @pytest.mark.parametrize("kwargs, error", [
@@ -324,7 +377,7 @@ def test_workers_found_through_dns_join_leave_and_come_back_at_a_new_address(hos
         assert "job_restart" not in kinds and "restart" not in kinds, kinds
         changes = [e["workers"] for e in events if e["event"] == "workers"]
         assert changes == [3, 2], changes  # worker-1's new address needed no new list
-        for host in ("w0", "w1b"):
+        for host in ("ps0", "w0", "w1b"):
             assert read_tasks(tmp_path / host / "tasks.json")["restarts"] == {}
         print(f"first step {joined_after:.1f} s after the name resolved; worker-1 back "
               f"{comeback:.1f} s after its host was released")

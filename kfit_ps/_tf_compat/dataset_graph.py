@@ -14,6 +14,7 @@ workers); the rest is public (`tf.graph_util.import_graph_def`,
 """
 
 import itertools
+import weakref
 
 import tensorflow as tf
 from tensorflow.python.eager import context
@@ -29,10 +30,11 @@ class Unserializable(ValueError):
         self.reason = reason
 
 
-def pipeline_graph(dataset):
+def pipeline_graph(dataset, rename=False):
     """`(graph_def, output)`: `dataset`'s GraphDef without its return node, and the name of
-    the node that makes the dataset. Raises `Unserializable` when the pipeline uses a
-    variable, a lookup table or a Python function of this process."""
+    the node that makes the dataset (its functions renamed with `rename`: see
+    `_rename_functions`). Raises `Unserializable` when the pipeline uses a variable, a
+    lookup table or a Python function of this process."""
     check_versions()
     try:
         serialized = dataset._as_serialized_graph(  # noqa: SLF001
@@ -41,7 +43,8 @@ def pipeline_graph(dataset):
         raise Unserializable(str(e).strip().splitlines()[0][:300]) from None
     graph = tf.compat.v1.GraphDef()
     graph.ParseFromString(serialized.numpy())
-    _rename_functions(graph)
+    if rename:
+        _rename_functions(graph)
     for function in graph.library.function:  # Outlive the dataset's own.
         context.context().add_function_def(function)
     (retval,) = [node for node in graph.node if node.op == "_Retval"]
@@ -55,11 +58,12 @@ def pipeline_graph(dataset):
 def _rename_functions(graph):
     """Gives `graph`'s functions names of their own (`kfit_ps_<n>_<name>`), in place.
 
-    Registering a function under a name the context already knows only counts it
-    again: a dataset made before the strategy connected to the cluster has its
-    functions known locally and never sent to the workers, and a traced function
-    that reaches them through the replayed tail failed on a worker with "Could not
-    find required function definition". Fresh names are registered, and sent, anew.
+    For a dataset made before the strategy connected to the cluster: registering
+    a function under a name the context already knows only counts it again, and
+    that dataset's functions were known locally before there were workers to send
+    them to; a traced function that reaches them through a file source's
+    replayed tail failed on a worker with "Could not find required function
+    definition". Fresh names are registered, and sent, anew.
     """
     number = next(_renamed_graphs)
     names = {f.signature.name: f"kfit_ps_{number}_{f.signature.name}"
@@ -121,8 +125,14 @@ def on_this_context(dataset):
     known = {tf.DeviceSpec.from_string(d.name) for d in tf.config.list_logical_devices()}
     if not device or tf.DeviceSpec.from_string(device) in known:
         return dataset
-    graph, output = pipeline_graph(dataset)
-    return evaluate(graph, output, dataset.element_spec)
+    rebuilt = _rebuilt.get(dataset)  # One copy per dataset, whatever the number of fits.
+    if rebuilt is None:
+        graph, output = pipeline_graph(dataset, rename=True)
+        rebuilt = _rebuilt[dataset] = evaluate(graph, output, dataset.element_spec)
+    return rebuilt
+
+
+_rebuilt = weakref.WeakKeyDictionary()  # dataset made before the cluster -> its copy here
 
 
 def replay(graph, output, root, records, element_spec):

@@ -65,13 +65,40 @@ def run(config=None):
     `QuickstartConfig()`); returns held-out metrics."""
     import tensorflow as tf
 
-    config = QuickstartConfig() if config is None else config
+    from kfit_ps import constants
 
+    config = QuickstartConfig() if config is None else config
+    backup = constants.launcher_backup()
+    if backup is not None:
+        # Under `kfit-ps run --backup-dir`: the data lives beside the backups, so a restarted
+        # chief trains on the same files (a backup records them), and goes with them.
+        return _train_and_evaluate(config, f"{backup[0].rstrip('/')}/quickstart-data")
     workdir = tempfile.mkdtemp(prefix="kfit_ps_quickstart_")
     try:
         return _train_and_evaluate(config, workdir)
     finally:
         tf.io.gfile.rmtree(workdir)  # about 30 MB of generated data
+
+
+def _data(config, spec, workdir):
+    """`(train files, test files)` in `workdir`: written there, then a marker; files an
+    earlier start of this job wrote whole are used as they are."""
+    import tensorflow as tf
+
+    from kfit_ps.data import criteo
+
+    marker = f"{workdir}/written"
+    if tf.io.gfile.exists(marker):
+        return (sorted(tf.io.gfile.glob(f"{workdir}/train/*")),
+                sorted(tf.io.gfile.glob(f"{workdir}/test/*")))
+    if tf.io.gfile.exists(workdir):
+        tf.io.gfile.rmtree(workdir)  # A start that stopped while writing.
+    train = criteo.generate(f"{workdir}/train", config.num_examples, spec, files=4,
+                            seed=config.seed)
+    test = criteo.generate(f"{workdir}/test", 20_000, spec, files=1, seed=config.seed + 1)
+    with tf.io.gfile.GFile(marker, "w") as f:
+        f.write("data, then this marker\n")
+    return train, test
 
 
 def _train_and_evaluate(config, workdir):
@@ -82,10 +109,7 @@ def _train_and_evaluate(config, workdir):
     from kfit_ps.jobs.dlrm import build_dlrm
 
     spec = criteo.CriteoSpec(scale=1e-3)
-    train_files = criteo.generate(f"{workdir}/train", config.num_examples, spec, files=4,
-                                  seed=config.seed)
-    test_files = criteo.generate(f"{workdir}/test", 20_000, spec, files=1,
-                                 seed=config.seed + 1)
+    train_files, test_files = _data(config, spec, workdir)
 
     def dataset_fn(input_context):  # A stream: each worker its share of the files.
         batch = input_context.get_per_replica_batch_size(config.batch_size)

@@ -75,9 +75,9 @@ class WorkerPattern:
 
 
 def resolve(host):
-    """The addresses `host` resolves to now (sorted), or [] when it does not resolve."""
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    """The IPv4 addresses `host` resolves to now (sorted), or [] when it does not resolve."""
+    try:  # IPv4 (A records): a worker's `address:port` is what TensorFlow dials.
+        infos = socket.getaddrinfo(host, None, family=socket.AF_INET, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError, OSError):
         return []
     return sorted({info[4][0] for info in infos})
@@ -164,14 +164,16 @@ def next_step(current, wanted):
 
     `wanted` keeps `current`'s order. Adding appends; a removal publishes the workers
     before the first removed one (a kept worker never changes its task index); the rest
-    come back, as new workers, in the step after.
+    come back, as new workers, in the step after. When the first one is removed, there is
+    no such prefix: the list is `wanted` at once, each worker at its new index.
     """
     if wanted[:len(current)] == list(current):
         return list(wanted)
     keep = 0
     while keep < len(current) and current[keep] in wanted:
         keep += 1
-    return list(current[:keep])
+    # The first worker gone: no kept prefix (a list is never empty), all take new indices.
+    return list(current[:keep]) if keep else list(wanted)
 
 
 class DiscoveredWorkers:
@@ -218,24 +220,27 @@ class DiscoveredWorkers:
                 self.directory, self.generation):
             return False  # One change at a time: the chief has not taken the last one.
         if self._leaving is not None:
+            how = ("drained by the chief" if membership.applied(self.directory, self.generation)
+                   else "no chief is running: its next start leaves it out")
             for task, address in self._leaving.items():
-                self.view.emit("task_removed", task, f"{address} left the job (drained by "
-                               "the chief): it may stop now", address=address)
+                self.view.emit("task_removed", task, f"{address} left the job ({how}): it "
+                               "may stop now", address=address)
             self._leaving = None
-        step = next_step(self.workers, self.dns.poll(self.workers))
-        if not step:
+        wanted = self.dns.poll(self.workers)
+        if not wanted:
             if self.workers and not self._none_said:
                 self.say(f"no worker resolves at {self.pattern} any more; the job keeps "
                          f"{len(self.workers)} until one does")
             self._none_said = True
             return False
         self._none_said = False
+        step = next_step(self.workers, wanted)
         if step == self.workers:
             return False
-        self._publish(step)
+        self._publish(step, wanted)
         return True
 
-    def _publish(self, workers):
+    def _publish(self, workers, wanted):
         before, self.workers = self.workers, list(workers)
         self.generation += 1
         membership.publish(self.directory, self.generation, self.workers)
@@ -244,9 +249,11 @@ class DiscoveredWorkers:
                 self.view.emit("worker_ready", f"{constants.WORKER}:{index}",
                                f"{address} resolves and serves: worker:{index}",
                                address=address)
-        if len(self.workers) < len(before):
-            self._leaving = {f"{constants.WORKER}:{index}": before[index]
-                             for index in range(len(self.workers), len(before))}
+        # Those that leave the job (not those that come back at a new index next).
+        leaving = {f"{constants.WORKER}:{index}": address for index, address in enumerate(before)
+                   if address not in wanted}
+        if leaving:
+            self._leaving = leaving
         if before:
             self.say(f"workers from DNS: {len(self.workers)} (was {len(before)}): "
                      f"{', '.join(self.workers)}; the chief takes them at its next safe point")

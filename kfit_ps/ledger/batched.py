@@ -29,9 +29,11 @@ class Batched:
         del epoch
         return None
 
-    def split_reader(self, data, first, epoch):
+    def split_reader(self, data, first, epoch, count):
         """`next_batch(j)`: batch `first + j` of `epoch`, inside the function that trains the
-        split from batch `first` (`j` an int or an int64 scalar tensor, 0, 1, ... in turn)."""
+        `count` batches of the split from batch `first` (`j` an int or an int64 scalar
+        tensor, 0, 1, ... in turn)."""
+        del count  # Each batch read by its index.
         return lambda j: self.read(data, first + j, epoch)
 
 

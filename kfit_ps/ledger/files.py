@@ -19,11 +19,16 @@ batch index like the ledger's other sources:
   (`TFRecordDatasetV2`'s `byte_offsets`, a seek; a byte range of a text file
   read as one fixed-length record, which TensorFlow reads through up to the
   range, and split into lines), and the pipeline's own steps after its
-  reader (`_tf_compat.dataset_graph.replay`) make the batch.
+  reader (`_tf_compat.dataset_graph.replay`) make the batch, without its
+  `prefetch` steps: a batch read alone has nothing to read ahead, and each
+  prefetch would start a thread per batch (15 % of the examples/s of
+  `bench/data_ledger.py`'s files, docs/benchmarks.md).
 
 Compressed files (the reader's `compression_type` "GZIP" or "ZLIB") cannot be
 entered mid-file: each is one split of its own batches, read whole from its
-start (`whole_files`).
+start (`whole_files`). With a `split_shuffle` (`kfit_ps.ledger.split_shuffle`),
+a split's records are read as one stream and shuffled before the pipeline's
+steps make its batches.
 
 Refused, with the reason (`NotFiles`): a `compression_type` other than "",
 "GZIP" and "ZLIB", or one computed per file; steps after the reader other
@@ -65,7 +70,9 @@ class FileSource(Batched):
 
     kind = "files"
 
-    def __init__(self, dataset):
+    def __init__(self, dataset, split_shuffle=None):
+        """`split_shuffle`: a `kfit_ps.ledger.SplitShuffle`, or None (records in order)."""
+        self.split_shuffle = split_shuffle
         graph, output = dataset_graph.pipeline_graph(dataset)
         nodes = {node.name: node for node in graph.node}
         steps, node = [], nodes[output]
@@ -99,6 +106,7 @@ class FileSource(Batched):
         self.batch_size = int(dataset_graph.constant(graph, batches[0].input[1]))
         drop_remainder = bool(dataset_graph.constant(graph, batches[0].input[-1]))
         self._graph, self._output, self._root = graph, output, node.name
+        self._batch_graph, self._batch_output = _without_prefetch(graph, output, steps)
         self.element_spec = dataset.element_spec
 
         files_node = node_name(node.input[0])
@@ -208,18 +216,34 @@ class FileSource(Batched):
         return coordinator.create_per_worker_dataset(
             lambda: tf.data.Dataset.from_tensors(tables)).build()
 
-    def split_reader(self, data, first, epoch):
-        """`next_batch(j)` for the function that trains the split from batch `first`: for
-        compressed files, the batches of the split's file in turn, read from its start by
-        one reader (see `whole_files`); else each batch read by its index."""
-        if self._whole is None:
-            return super().split_reader(data, first, epoch)
-        return self._whole.split_reader(
-            tf.data.experimental.at(data, 0), first, epoch, self._seed_if_shuffled(),
-            lambda path, records: dataset_graph.replay(
-                self._graph, self._output, self._root, whole_files.records(
+    def split_reader(self, data, first, epoch, count):
+        """`next_batch(j)` for the function that trains the `count` batches of the split from
+        batch `first`: for compressed files, the batches of the split's file in turn, read
+        from its start by one reader (see `whole_files`); with a `split_shuffle`, the
+        split's records shuffled, then batched; else each batch read by its index."""
+        first = tf.cast(first, tf.int64)
+        if self._whole is not None:
+            return self._whole.split_reader(
+                tf.data.experimental.at(data, 0), first, epoch, self._seed_if_shuffled(),
+                lambda path, records: self._batches(whole_files.records(
                     path, self.record_kind, self.compression, self.skip + records),
-                self.element_spec))
+                    epoch, first, self._graph, self._output))
+        if self.split_shuffle is None:
+            return super().split_reader(data, first, epoch, count)
+        tables = tf.data.experimental.at(data, 0)
+        records = tf.data.Dataset.range(first, first + tf.cast(count, tf.int64)).flat_map(
+            lambda batch: self._records(tables, batch, epoch))
+        return whole_files.in_turn(
+            self._batches(records, epoch, first, self._batch_graph, self._batch_output),
+            "a split of the files")
+
+    def _batches(self, records, epoch, first, graph, output):
+        """The pipeline's batches of `records` (the split from batch `first`'s, shuffled
+        first with a `split_shuffle`): its steps after the reader, replayed."""
+        if self.split_shuffle is not None:
+            records = records.shuffle(self.split_shuffle.buffer_size,
+                                      seed=self.split_shuffle.seed_of(epoch, first))
+        return dataset_graph.replay(graph, output, self._root, records, self.element_spec)
 
     def read(self, data, batch, epoch):
         """Batch `batch` (int64 scalar tensor) of epoch `epoch`, inside a function: its
@@ -227,13 +251,19 @@ class FileSource(Batched):
         compressed file's: read from the file's start)."""
         batch = tf.cast(batch, tf.int64)
         if self._whole is not None:
-            return self.split_reader(data, batch, epoch)(0)
+            return self.split_reader(data, batch, epoch, 1)(0)
+        # Each batch read alone (one iterator over a function's batches was slower).
+        records = self._records(tf.data.experimental.at(data, 0), batch, epoch)
+        return dataset_graph.replay(self._batch_graph, self._batch_output, self._root,
+                                    records, self.element_spec).get_single_element()
+
+    def _records(self, tables, batch, epoch):
+        """The records of batch `batch` of `epoch` (uncompressed files), from their byte
+        offset: the epoch's permutation of batches applied when the file list shuffles."""
         if self.shuffle and self._full_batches > 1:  # The epoch's permutation of batches.
             permuted = epoch_permutation(tf.minimum(batch, self._full_batches - 1), self.seed,
                                          epoch, self._full_batches)
             batch = tf.where(batch < self._full_batches, permuted, batch)
-        # Each batch read alone (one iterator over a function's batches was slower).
-        tables = tf.data.experimental.at(data, 0)
         records = tf.minimum(tf.constant(self.batch_size, tf.int64),
                              self.num_examples - batch * self.batch_size)
         file, offset = tables["batch_file"][batch], tables["batch_offset"][batch]
@@ -242,8 +272,7 @@ class FileSource(Batched):
         else:
             reader = self._lines(tables, file, offset, tables["batch_file"][batch + 1],
                                  tables["batch_offset"][batch + 1])
-        return dataset_graph.replay(self._graph, self._output, self._root,
-                                    reader.take(records), self.element_spec).get_single_element()
+        return reader.take(records)
 
     @staticmethod
     def _tfrecords(tables, file, offset):
@@ -280,7 +309,7 @@ class FileSource(Batched):
     def describe(self):
         """What identifies the data: the files (names, sizes, modification times: a
         fingerprint, and up to `_LISTED_FILES` of them listed), their compression, the records
-        skipped per file, the batch size, the shuffle and its seed."""
+        skipped per file, the batch size, the shuffle and its seed, a `split_shuffle`'s."""
         crc = zlib.crc32(f"{self.record_kind}/{self.skip}".encode())
         if self.compression:  # (Uncompressed: the fingerprint of earlier backups.)
             crc = zlib.crc32(self.compression.encode(), crc)
@@ -291,10 +320,37 @@ class FileSource(Batched):
         kind = whole_files.files_kind(self.record_kind, self.compression)
         return {"kind": self.kind, "batches": self.num_batches, "examples": self.num_examples,
                 "batch_size": self.batch_size, "shuffle": self.shuffle, "seed": self.seed,
+                **({"split_shuffle": self.split_shuffle.describe()}
+                   if self.split_shuffle is not None else {}),
                 "files": f"{len(self._indexes)} {kind} files, {total} bytes",
                 "fingerprint": f"{crc:08x}",
                 **({"file_list": [[i.path, i.size, i.mtime_ns] for i in self._indexes]}
                    if len(self._indexes) <= _LISTED_FILES else {})}
+
+
+def _without_prefetch(graph, output, steps):
+    """`(graph, output)`: a copy of the pipeline's `graph` whose tail `steps` (from `output`
+    down to the reader) skip their `prefetch` steps, and the node that then makes the
+    dataset. A prefetch changes no element; read batch by batch, it only starts a thread."""
+    skipped = {step.name: node_name(step.input[0]) for step in steps
+               if step.op == "PrefetchDataset"}
+    if not skipped:
+        return graph, output
+
+    def below(name):
+        while name in skipped:
+            name = skipped[name]
+        return name
+
+    copy = tf.compat.v1.GraphDef()
+    copy.CopyFrom(graph)
+    kept = [node for node in copy.node if node.name not in skipped]
+    for node in kept:
+        if node.input and node_name(node.input[0]) in skipped:
+            node.input[0] = below(node_name(node.input[0]))
+    del copy.node[:]
+    copy.node.extend(kept)
+    return copy, below(output)
 
 
 def _normalized(path):

@@ -176,7 +176,7 @@ class DatasetSource(Batched):
         return described
 
 
-def dataset_source(dataset, arg, build=None):
+def dataset_source(dataset, arg, build=None, split_shuffle=None):
     """A `DatasetSource` for the finite `dataset`, or a ValueError saying why not.
 
     Args:
@@ -184,6 +184,8 @@ def dataset_source(dataset, arg, build=None):
             the coordinator).
         arg: the argument's name, for errors.
         build: builds the dataset on a worker; None sends a copy of `dataset`.
+        split_shuffle: a `SplitShuffle` (`kfit_ps.ledger.split_shuffle`): only a file
+            pipeline takes one.
     """
     cardinality = int(dataset.cardinality())
     prefix = (f"`fit` without `steps_per_epoch` trains one pass over `{arg}` per epoch, every "
@@ -194,9 +196,16 @@ def dataset_source(dataset, arg, build=None):
             "their own datasets, so the end of the data does not end the epoch. Received: "
             "steps_per_epoch=None. Pass e.g. steps_per_epoch=100, or remove `.repeat()` to "
             "train one pass per epoch.")
+    if split_shuffle is not None and cardinality != tf.data.UNKNOWN_CARDINALITY:
+        raise ValueError(
+            f"kfit_ps.ledger.split_shuffle(...) shuffles the records of a pipeline over "
+            f"TFRecord or text files, and `{arg}` is a dataset of {cardinality} batches of "
+            f"another source. Received: split_shuffle(buffer_size={split_shuffle.buffer_size}). "
+            f"Pass the dataset unwrapped (pass numpy arrays to have them shuffled every epoch "
+            f"with shuffle=True).")
     if cardinality == tf.data.UNKNOWN_CARDINALITY:
         try:
-            return files.FileSource(dataset)
+            return files.FileSource(dataset, split_shuffle)
         except files.NotFiles as refusal:
             reason = refusal.reason
         except dataset_graph.Unserializable as refusal:

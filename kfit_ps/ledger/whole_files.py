@@ -83,18 +83,24 @@ class WholeFiles:
         records)` (the file's batches after its first `records` records)."""
         file, before = self.locate(tables, tf.cast(first, tf.int64), epoch, seed)
         path = tables["paths"][file]
-        batches = iter(batches_from(path, before * self.batch_size))
+        return in_turn(batches_from(path, before * self.batch_size), path)
 
-        def next_batch(j):
-            del j  # The next one.
-            batch = batches.get_next_as_optional()
-            found = tf.debugging.Assert(batch.has_value(), [
-                "kfit_ps: the file holds fewer batches than its index counted (did it change "
-                "after `fit` indexed it?):", path])
-            with tf.control_dependencies([found]):
-                return tf.nest.map_structure(tf.identity, batch.get_value())
 
-        return next_batch
+def in_turn(batches, where):
+    """`next_batch(j)` inside a function: the dataset `batches`' next batch, each call (an
+    assertion naming `where` when it has fewer than the index counted)."""
+    iterator = iter(batches)
+
+    def next_batch(j):
+        del j  # The next one.
+        batch = iterator.get_next_as_optional()
+        found = tf.debugging.Assert(batch.has_value(), [
+            "kfit_ps: the files hold fewer batches than their index counted (did one change "
+            "after `fit` indexed it?):", where])
+        with tf.control_dependencies([found]):
+            return tf.nest.map_structure(tf.identity, batch.get_value())
+
+    return next_batch
 
 
 def files_kind(record_kind, compression):

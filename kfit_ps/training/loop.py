@@ -179,6 +179,11 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
     train_input = adapters.adapt(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
                                training=True)
     source = shipped = None
+    if steps_per_epoch is not None and train_input.split_shuffle is not None:
+        raise ValueError(
+            "kfit_ps.ledger.split_shuffle(...) shuffles the splits of one-pass epochs, and "
+            f"`steps_per_epoch` streams. Received: steps_per_epoch={steps_per_epoch!r}. Leave "
+            "out `steps_per_epoch`, or shuffle in the pipeline and stream it.")
     if steps_per_epoch is None and train_input.one_pass is not None:
         # One pass per epoch: read by index on the workers, else shipped by the coordinator,
         # else an error saying why neither.

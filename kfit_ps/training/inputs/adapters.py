@@ -24,6 +24,7 @@ How each supported input is split across workers:
 | `DatasetCreator(fn)` | `fn` runs on each worker (finite, without `steps_per_epoch`: one-pass epochs) | without `steps`: `fn` runs on each worker, its finite dataset evaluated in shards, exactly once (predict: `steps` required); with `steps`: that many batches of the workers' datasets |
 | `tf.data.Dataset` (batched) | finite, without `steps_per_epoch`: one-pass epochs; else a copy on each worker, repeated | finite: shipped in order; infinite: per worker, `steps` required |
 | `kfit_ps.shardable(dataset)` | as the dataset | a copy on each worker, evaluated in shards, exactly once |
+| `kfit_ps.ledger.split_shuffle(dataset, n)` | a file pipeline's one-pass epochs, its records shuffled within each split | refused |
 | numpy arrays / tensors `(x, y[, sample_weight])` | without `steps_per_epoch`: one-pass epochs; else a copy on each worker, shuffled independently, repeated, batched | shipped in order |
 
 One-pass epochs (`fit` without `steps_per_epoch` on finite data) read each
@@ -67,6 +68,8 @@ class WorkerInput:
     # For training: the finite tf.data.Dataset given, which the coordinator can read itself
     # and ship batch by batch when workers cannot read it by index (`training.inputs.shipped`).
     shippable: object = dataclasses.field(default=None, compare=False, repr=False)
+    # For training: the `kfit_ps.ledger.split_shuffle` asked for (one-pass epochs only).
+    split_shuffle: object = dataclasses.field(default=None, compare=False, repr=False)
     # For evaluation: the finite dataset `dataset_fn` built on the coordinator when adapted,
     # kept to pick how it is split (`_tf_compat.shard_policy`) without building it again.
     sample: object = dataclasses.field(default=None, compare=False, repr=False)
@@ -207,7 +210,14 @@ def adapt(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True, train
     batch_size = validation.check_optional_int("batch_size", batch_size, 1)
     if x is None:
         raise ValueError(f"`{arg}` is required. Supported inputs: {SUPPORTED_INPUTS}.")
-    num_shards, sharded = None, False
+    num_shards, sharded, split_shuffle = None, False, None
+    if isinstance(x, ledger.SplitShuffle):
+        if not training:
+            raise ValueError(
+                f"`{arg}`: kfit_ps.ledger.split_shuffle(...) shuffles training data (fit's "
+                "`x`), and evaluation reads every batch as it comes. Received: "
+                f"split_shuffle(...) as `{arg}`. Pass the dataset unwrapped.")
+        split_shuffle, x = x, _made_here(x.dataset, arg)
     if isinstance(x, Shardable):
         if not training:
             sharded = True
@@ -251,8 +261,10 @@ def adapt(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True, train
             dataset = x if cardinality == tf.data.INFINITE_CARDINALITY else x.repeat()
             return WorkerInput(element_spec=x.element_spec, dataset=dataset,
                                num_batches=cardinality if cardinality >= 0 else None,
-                               one_pass=lambda: ledger.dataset_source(x, arg),
-                               shippable=x if cardinality > 0 else None)
+                               one_pass=lambda: ledger.dataset_source(x, arg,
+                                                                      split_shuffle=split_shuffle),
+                               shippable=x if cardinality > 0 and not split_shuffle else None,
+                               split_shuffle=split_shuffle)
         return ShippedInput(dataset=x, element_spec=x.element_spec,
                             num_batches=cardinality if cardinality >= 0 else None)
 

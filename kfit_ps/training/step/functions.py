@@ -118,7 +118,7 @@ class ScheduledFunctions:
             def run(data, first, epoch, count):
                 marked = ledger.attempts.mark(first)
                 state = metric_state.zeros()
-                next_batch = source.split_reader(data, first, epoch)
+                next_batch = source.split_reader(data, first, epoch, count)
                 for j in (_step_indices(k) if k is not None else tf.range(count)):
                     batch = next_batch(j)
                     with tf.control_dependencies([marked]):
