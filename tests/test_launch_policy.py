@@ -51,9 +51,6 @@ def test_a_lost_ps_with_the_chief_running_restores_in_place_and_counts_against_i
 
 def test_the_decisions_beside_a_task_exit_are_the_policys_and_cost_no_budget():
     policy = RestartPolicy(ps_failure_grace=60.0)
-    assert policy.ps_recovery("in-place", local=True) == "in-place"
-    assert policy.ps_recovery("in-place", local=False) == "restart"  # a multi-host job
-    assert policy.ps_recovery("restart", local=True) == "restart"
     assert policy.chief_overdue(59.9) is None
     overdue = policy.chief_overdue(60.1)
     assert overdue.action is Action.STOP_CHIEF and "within 60 s of the ps loss" in overdue.reason
@@ -79,7 +76,13 @@ def test_restarts_back_off_and_are_limited_per_task():
     assert "last line" in final.reason  # the task's last log lines
     ps = RestartPolicy(max_restarts=3, backoff=1.0, max_backoff=3.0)
     # On a host without the chief the ps restarts alone: with the same back-off.
-    assert [decide(ps, "ps:0", -9).delay for _ in range(3)] == [1.0, 2.0, 3.0]
+    remote = [ps.decide(TaskExit("ps:0", -9, ""), chief_elsewhere=True) for _ in range(3)]
+    assert [d.delay for d in remote] == [1.0, 2.0, 3.0]
+    assert {d.action for d in remote} == {Action.RESTART_TASK}
+    assert "the chief, on its own host, restores its variables in place" in remote[0].reason
+    assert "else it says why and the job restarts" in remote[0].reason
+    spent = ps.decide(TaskExit("ps:0", -9, ""), chief_elsewhere=True)
+    assert spent.action is Action.FAIL and spent.exit_status == exit_status.RESTARTS_EXHAUSTED
     policy = RestartPolicy(max_restarts=1)
     assert decide(policy, "ps:0", -9).action is Action.WAIT_FOR_CHIEF
     assert decide(policy, "ps:0", -9).action is Action.FAIL

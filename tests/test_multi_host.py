@@ -158,14 +158,54 @@ def test_a_server_is_not_reachable_on_localhost_of_another_host(hosts, tmp_path)
     assert local.communicate(timeout=30)[0].strip() == "closed"
 
 
-# The chaos job: 4 epochs x 250 steps, a 400,000 x 16 embedding (25.6 MB on the ps, so a
-# dead chief's copy left in the ps's memory shows), SGD. It prints "STEP <iterations>" at
-# each backup, "EPOCH <epoch> <iterations>" as each epoch begins, "STOPPED <iterations>"
-# when a SIGTERM stops it, and the result.
+# The chaos job: 4 epochs x 250 steps, SGD, over two ps hosts: a 400,000 x 16 embedding
+# (25.6 MB on ps:0, so a dead chief's copy left in that ps's memory shows) and the rest
+# placed round-robin. It prints "STEP <iterations>" at each backup, "EPOCH <epoch>
+# <iterations>" as each epoch begins, "STOPPED <iterations>" when a SIGTERM stops it, and the
+# result. When the file argv[1] exists at a synchronisation (every 50 steps, no step in
+# flight), it hashes ps:0's variables, SIGKILLs ps:1 (its pid from ps1's tasks.json,
+# argv[2]) and prints "KILLED"; each in-place recovery prints "RESTORED" with ps:0's hashes.
 CHAOS_JOB = textwrap.dedent("""
-    import json
-    import keras, kfit_ps, tensorflow as tf
+    import hashlib, json, os, signal, sys, time
+    import keras, kfit_ps, psutil, tensorflow as tf
+    from kfit_ps import _tf_compat
+    from kfit_ps.training.resilience import ps_recovery
     from tests import helpers as h
+
+    request, ps1_tasks = sys.argv[1:3]
+
+    def hashes(task):
+        return {v.name + "@" + str(i): hashlib.sha256(v.numpy().tobytes()).hexdigest()
+                for i, v in enumerate(_tf_compat.ps_restore.variables_on(task))}
+
+    def mark(word, **fields):
+        print(word, json.dumps(dict(fields, time=time.time(), pid=os.getpid())), flush=True)
+
+    stock = ps_recovery.PsRecovery.recover
+    def recover(self, tasks, iterations):
+        stock(self, tasks, iterations)
+        mark("RESTORED", tasks=tasks, ps0=hashes(0))
+    ps_recovery.PsRecovery.recover = recover
+
+    def gone(pid):
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    class KillPs1(kfit_ps.callbacks.SyncCallback):
+        sync_every = 50
+        def on_train_sync(self, epoch, step, logs):
+            if not os.path.exists(request):
+                return
+            os.remove(request)
+            before = hashes(0)
+            with open(ps1_tasks) as f:
+                pid = json.load(f)["tasks"]["ps:1"]
+            os.kill(pid, signal.SIGKILL)  # (the hosts share one pid space)
+            while not gone(pid):
+                time.sleep(0.01)  # dead before the next step is scheduled
+            mark("KILLED", ps0=before, ps1_pid=pid)
 
     def dataset_fn(ctx):
         ids = tf.random.stateless_uniform((4096, 1), seed=(1, 2), maxval=400_000,
@@ -179,6 +219,7 @@ CHAOS_JOB = textwrap.dedent("""
                                   keras.layers.Embedding(400_000, 16), keras.layers.Flatten(),
                                   keras.layers.Dense(1)])
         model.compile("sgd", "mse", metrics=[h.counting_metric()], steps_per_execution=5)
+    print("PLACED " + json.dumps({v.path: v.value.device for v in model.variables}), flush=True)
 
     class Report(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
@@ -190,7 +231,7 @@ CHAOS_JOB = textwrap.dedent("""
 
     try:
         history = model.fit(kfit_ps.DatasetCreator(dataset_fn), epochs=4, steps_per_epoch=250,
-                            verbose=0, callbacks=[Report()])
+                            verbose=0, callbacks=[Report(), KillPs1()])
     except kfit_ps.errors.Preempted:
         print("STOPPED", int(model.optimizer.iterations.numpy()), flush=True)
         raise
@@ -207,12 +248,12 @@ class Launchers:
         self.hosts, self.tmp_path, self.env = hosts, tmp_path, env
         self.procs, self.lines, self.ended = {}, [], []
 
-    def start(self, host, *flags):
+    def start(self, host, *flags, env=None):
         if host in self.procs:
             self.ended.append((host, self.procs[host]))
         self.procs[host] = self.hosts.run(
             host, [sys.executable, "-m", "kfit_ps.cli.main", "run", "--run-dir",
-                   str(self.tmp_path / host), *flags], env=self.env, cwd=helpers.ROOT,
+                   str(self.tmp_path / host), *flags], env=env or self.env, cwd=helpers.ROOT,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         return self.procs[host]
 
@@ -247,45 +288,95 @@ def _number(line, word):
     return int(line.split(word + " ", 1)[1].split()[0]) if f"[chief] {word} " in line else None
 
 
-def test_chaos_across_hosts_kills_a_remote_ps_a_worker_preempts_and_restarts_the_chief(
-        hosts, tmp_path):
-    """One 1,000-step job, each host under its own launcher, the ps on its own host:
-    SIGKILL of a worker, of the remote ps, of the chief (twice), SIGTERM of the chief's
-    launcher (a preemption: a new launcher takes over, as a new pod would), and a chief
-    restarted while the ps host is down, each at a seeded random point. The job finishes
-    on its own, exactly, with no chief's variables left in the ps's memory."""
+def _marked(line, word):
+    return json.loads(line.split(f"[chief] {word} ", 1)[1])
+
+
+@pytest.fixture
+def ps_hosts():
+    """The hosts of the chaos job: chief, two workers, and each ps on a host of its own."""
+    netns.remove_leftovers()
+    made = netns.Hosts(["chief", "w0", "w1", "ps0", "ps1"])
+    yield made
+    made.close()
+
+
+def test_chaos_across_hosts_restores_a_remote_ps_in_place_preempts_and_restarts_the_chief(
+        ps_hosts, tmp_path):
+    """One 1,000-step job, each host under its own launcher, each ps on its own host:
+    SIGKILL of a worker, of the remote ps:1 twice (each restored in place: the same chief
+    process, ps:0 untouched), of the chief twice, SIGTERM of the chief's launcher (a
+    preemption: a new launcher takes over, as a new pod would), and a chief restarted while
+    ps:0's host is down, each at a seeded random point. ps:0's host stays down past the
+    chief's KFIT_PS_STARTUP_TIMEOUT: the fallback, said by the chief, is a job restart whose
+    chief waits for that host. The job finishes on its own, exactly, with no chief's
+    variables left in ps:0's memory. Prints the time of each in-place recovery beside each
+    whole-job restart's."""
     import random
 
     import psutil
 
+    hosts = ps_hosts
     address = {host: f"{ip}:2222" for host, ip in hosts.addresses.items()}
     cluster = {"chief": [address["chief"]], "worker": [address["w0"], address["w1"]],
-               "ps": [address["ps0"]]}
+               "ps": [address["ps0"], address["ps1"]]}
     env = dict(helpers.chief_env(), TF_CONFIG=json.dumps(
         {"cluster": cluster, "task": {"type": "chief", "index": 0}}))
     (tmp_path / "job.py").write_text(CHAOS_JOB)
+    request = tmp_path / "kill-ps1"  # the job kills ps:1 at its next synchronisation
     chief_flags = ("--tasks", "chief:0", "--backup-dir", str(tmp_path / "backup"),
                    "--save-freq", "50", "--max-restarts", "10", "--backoff", "0.5", "--",
-                   sys.executable, str(tmp_path / "job.py"))
+                   sys.executable, str(tmp_path / "job.py"), str(request),
+                   str(tmp_path / "ps1" / "tasks.json"))
+    # A ps not back within this restarts the job (the chief's fallback; 120 s by default).
+    chief_env = dict(env, KFIT_PS_STARTUP_TIMEOUT="20")
     run = Launchers(hosts, tmp_path, env)
-    for host, task in (("ps0", "ps:0"), ("w0", "worker:0"), ("w1", "worker:1")):
+    for host, task in (("ps0", "ps:0"), ("ps1", "ps:1"), ("w0", "worker:0"),
+                       ("w1", "worker:1")):
         run.start(host, "--tasks", task, "--backoff", "0.5")
         run.read_until(host, lambda line: "servers ready" in line)
-    run.start("chief", *chief_flags)
+    run.start("chief", *chief_flags, env=chief_env)
+    placed = _marked(run.read_until("chief", lambda l: "[chief] PLACED " in l), "PLACED")
+    table = [device for path, device in placed.items() if path.endswith("/embeddings")]
+    assert len(table) == 1 and "task:0" in table[0], placed  # the 25.6 MB table
+    assert any("task:1" in device for device in placed.values()), placed
 
     rng = random.Random(2026)
-    events = ["kill worker", "kill ps", "kill chief", "preempt", "ps host down", "kill chief"]
+    events = ["kill worker", "kill ps", "kill chief", "preempt", "kill ps", "ps host down",
+              "kill chief"]
     thresholds = chaos.kill_points(rng, 50, 700, len(events), step=25)
     ps_memory, stopped_at, resumed_at = [], None, None
+    in_place, job_restart = [], []  # seconds from each kill until training goes on
 
     def next_step(at_least):
         line = run.read_until("chief", lambda l: (_number(l, "STEP") or -1) >= at_least)
         return _number(line, "STEP")
 
-    def note_ps_memory():  # the ps (process and memory) once a new chief trains
+    def note_ps_memory():  # ps:0 (process and memory) once a new chief trains
         next_step(0)
         pid = run.task_pid("ps0", "ps:0")
         ps_memory.append((pid, psutil.Process(pid).memory_info().rss))
+
+    def kill_chief():  # timed until the new chief trains (its resumed epoch begins)
+        killed_at = time.monotonic()
+        os.kill(run.task_pid("chief", "chief:0"), signal.SIGKILL)
+        run.read_until("chief", lambda l: "chief:0 ended with signal SIGKILL" in l)
+        run.read_until("chief", lambda l: "[chief] EPOCH " in l)  # from the new chief
+        return time.monotonic() - killed_at
+
+    def kill_ps1():  # by the job, at a synchronisation; restored in place by the same chief
+        chief_pid = run.task_pid("chief", "chief:0")
+        request.touch()
+        killed = _marked(run.read_until("chief", lambda l: "[chief] KILLED " in l), "KILLED")
+        restored = _marked(run.read_until("chief", lambda l: "[chief] RESTORED " in l),
+                           "RESTORED")
+        assert killed["pid"] == restored["pid"] == chief_pid, (killed, restored, chief_pid)
+        assert run.task_pid("chief", "chief:0") == chief_pid
+        assert restored["tasks"] == [1]
+        # ps:0 bit-equal from just before the kill to just after the recovery.
+        assert killed["ps0"] == restored["ps0"] and len(killed["ps0"]) >= 2, (killed, restored)
+        run.read_until("ps1", lambda l: "ps:1 is back" in l)  # its host's launcher restarted it
+        return restored["time"] - killed["time"]
 
     note_ps_memory()
     for event, threshold in zip(events, thresholds):
@@ -295,21 +386,24 @@ def test_chaos_across_hosts_kills_a_remote_ps_a_worker_preempts_and_restarts_the
             run.read_until("w0", lambda line: "worker:0 is back" in line)
             continue
         if event == "kill ps":
-            os.kill(run.task_pid("ps0", "ps:0"), signal.SIGKILL)
-        elif event == "kill chief":
-            os.kill(run.task_pid("chief", "chief:0"), signal.SIGKILL)
+            in_place.append(kill_ps1())
+            continue
+        if event == "kill chief":
+            job_restart.append(kill_chief())
         elif event == "preempt":
             run.procs["chief"].send_signal(signal.SIGTERM)
             line = run.read_until("chief", lambda l: "[chief] STOPPED " in l)
             stopped_at = _number(line, "STOPPED")
             run.read_until("chief", lambda l: "the chief stopped with exit code 143" in l)
             assert run.procs["chief"].wait(timeout=60) == 143
-            run.start("chief", *chief_flags)  # the new pod
+            run.start("chief", *chief_flags, env=chief_env)  # the new pod
             line = run.read_until("chief", lambda l: "[chief] EPOCH " in l)
             resumed_at = int(line.split()[-1])
-        elif event == "ps host down":
+        elif event == "ps host down":  # past the chief's startup timeout: a job restart
             os.kill(run.procs["ps0"].pid, signal.SIGKILL)  # its ps follows its launcher
-            os.kill(run.task_pid("chief", "chief:0"), signal.SIGKILL)
+            run.read_until("chief", lambda l: "ps:0 was lost and cannot be restored in place: "
+                           f"ps:0 ({address['ps0']}) did not come back within 20 s" in l)
+            run.read_until("chief", lambda l: "chief:0 ended with exit code 75" in l)
             run.read_until("chief", lambda l: "waiting up to" in l and "ps:0" in l)
             time.sleep(rng.uniform(1.0, 4.0))  # the chief waits for the host, not fails
             run.start("ps0", "--tasks", "ps:0", "--backoff", "0.5")
@@ -317,21 +411,32 @@ def test_chaos_across_hosts_kills_a_remote_ps_a_worker_preempts_and_restarts_the
 
     line = run.read_until("chief", lambda l: "[chief] RESULT " in l, timeout=600)
     assert run.procs["chief"].wait(timeout=60) == 0, "\n".join(run.lines[-60:])
+    print(f"\nrecovery of a lost remote ps, kill to training again: in place "
+          f"{', '.join(f'{s:.1f}' for s in in_place)} s (the same chief); whole-job restart "
+          f"(the chief SIGKILLed) {', '.join(f'{s:.1f}' for s in job_restart)} s")
     result = json.loads(line.split("RESULT ", 1)[1])
     assert 1000 <= result["iterations"] <= 1000 + len(events) * 5, result
     assert result["batches"][-1] == 250.0  # the final epoch's metrics, exact
     assert stopped_at is not None and resumed_at == stopped_at  # SIGTERM cost no step
-    # 6 chief incarnations, each on a ps process of its own: none holds an earlier chief's
-    # 25.6 MB table, and the ps's memory does not grow with the restarts.
-    assert len({pid for pid, _ in ps_memory}) == 6, ps_memory
+    assert len(in_place) == 2 and all(seconds <= 60.0 for seconds in in_place), in_place
+    # 5 chief incarnations (the ps:1 losses made none), each on a ps:0 process of its own:
+    # none holds an earlier chief's 25.6 MB table, and the ps's memory does not grow with
+    # the restarts.
+    assert len({pid for pid, _ in ps_memory}) == 5, ps_memory
     # A fresh ps' RSS varies by about 200 MB from one process to the next on this machine
     # (measured: 615 to 816 MB over one run's 6 incarnations); six chiefs' tables with their
     # Adam slots held in one process would add about 460 MB.
     rss = [r for _, r in ps_memory]
     assert max(rss) < min(rss) + 300e6, ps_memory
     assert not (tmp_path / "backup").exists()
-    assert run.stop_all() == {"ps0": 143, "w0": 143, "w1": 143}
-    # The ps host's launcher restarted its ps each time a chief went away (the ps killed, the
-    # chief killed, the preemption, the chief killed again after the new ps host came up).
-    ps_restarts = [l for l in run.lines if "went away: restarting this host's ps" in l]
-    assert len(ps_restarts) >= 4, "\n".join(l for l in run.lines if l.startswith("ps0|"))
+    assert run.stop_all() == {"ps0": 143, "ps1": 143, "w0": 143, "w1": 143}
+    output = "\n".join(run.lines)
+    assert output.count("ps:1 ended with signal SIGKILL; restarting it at its address; the "
+                        "chief, on its own host, restores its variables in place") == 2, output
+    assert output.count("[chief] kfit_ps: ps:1 restored in place from the backup of step") == 2
+    # Each ps host's launcher restarted its ps each time a chief went away (the chief killed,
+    # the preemption; ps1's also when the chief exited for ps:0's host).
+    for host, least in (("ps0", 3), ("ps1", 4)):
+        restarts = [l for l in run.lines
+                    if l.startswith(f"{host}|") and "went away: restarting this host's ps" in l]
+        assert len(restarts) >= least, "\n".join(l for l in run.lines if l.startswith(host))

@@ -50,8 +50,9 @@ class LaunchConfig:
             and the chief restores its variables from the last backup in the same
             process, the other ps tasks keeping their state
             (`kfit_ps.training.resilience.ps_recovery`; where that is impossible, the job
-            restarts). `"restart"`: the job restarts from the last backup.
-            Defaults to "in-place".
+            restarts). `"restart"`: the job restarts from the last backup. On many
+            hosts (`tasks`) the chief's host's setting counts: a host of servers
+            restarts its lost ps either way. Defaults to "in-place".
         discover_workers: where the workers are found through DNS, on the chief's host of
             a multi-host job (`tasks` with `"chief", 0` and no worker): `HOST:PORT` with
             `{i}` for the worker's index (the names of indices 0 .. `max_workers`-1 that

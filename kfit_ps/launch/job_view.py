@@ -117,7 +117,8 @@ class JobView:
                       "then every task of this host restarts")
         elif event.kind == constants.PS and decision.action is Action.RESTART_TASK:
             self.emit("ps_lost", event.task, f"{event.task} was lost: it restarts, and the "
-                      "chief restores its variables in place")
+                      "chief restores its variables in place where it can, else the job "
+                      "restarts")
         if decision.action is Action.RESTART_JOB:
             self.state = "restarting"
             self.emit("job_restart", None, decision.reason, delay=decision.delay)

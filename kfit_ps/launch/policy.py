@@ -5,6 +5,7 @@
 | the chief, exit code 0 | the job is done (`FINISH`) |
 | a worker | restart it at the same address; TensorFlow takes it back in the same chief |
 | a ps, `--ps-recovery in-place` (default) with the chief running here | restart it at its address; the chief restores its variables from the last backup in the same process (if it cannot, it exits and the job restarts) |
+| a ps on a host without the chief (`--tasks`, many hosts) | restart it at its address, counted; the chief, which sees the loss and the new process through its connection, restores its variables in place where its launcher's `--ps-recovery` and the fit allow (else it says why and exits 75: its launcher restarts the job) |
 | a ps, `--ps-recovery restart` | its variables are gone: let the chief stop (its `fit` raises `ParameterServerError`), then restart the job |
 | the chief, with a retry status (`exit_status.RETRY`: 75 `ClusterError`, 143 SIGTERM, 137 SIGKILL, 130 SIGINT, or killed by any signal), or after a ps was lost | restart the job: every server of this host and the chief, which resumes from its last backup |
 | the chief, any other status | the program failed: not retried (`FAIL` with its status) |
@@ -13,8 +14,8 @@
 | a server accepts connections but has not answered for `--liveness-timeout` s | kill it (`KILL_TASK`); its exit is then decided on as above |
 | a server runs but did not start serving in time | kill it and restart it, counted (`not_ready`) |
 
-In-place ps recovery applies where this launcher runs every task (`kfit-ps run` without
-`--tasks`); a job whose tasks are spread with `--tasks` restarts (`ps_recovery`).
+In-place ps recovery is the chief's: on one host its launcher restarts the ps; on many hosts
+(`--tasks`) the ps host's launcher does, and the chief's launcher never sees the ps at all.
 
 Restarting the ps tasks with the chief is deliberate: a ps keeps the variables a
 chief created for as long as it runs, so a ps that outlived five chiefs would hold
@@ -99,12 +100,6 @@ class RestartPolicy:
             f"{what or event.describe()}; {reason} (restart {count} of {self.max_restarts}, "
             f"in {delay:g} s)"))
 
-    @staticmethod
-    def ps_recovery(requested, local):
-        """The ps recovery a job runs: `requested` where this launcher runs every task
-        (`local`: no `--tasks`); else "restart"."""
-        return requested if local else "restart"
-
     def chief_overdue(self, ps_lost_for):
         """`STOP_CHIEF` once a ps lost without in-place recovery (`WAIT_FOR_CHIEF`) has been
         lost `ps_lost_for` s and the chief still runs past `ps_failure_grace` (its `fit`
@@ -137,18 +132,24 @@ class RestartPolicy:
                              "killing it and starting it again",
                              what=f"{task} did not start serving in time")
 
-    def decide(self, event, server_lost=False, ps_in_place=False):
+    def decide(self, event, server_lost=False, ps_in_place=False, chief_elsewhere=False):
         """The `Decision` for `event`; `server_lost`: a ps died since this chief started;
-        `ps_in_place`: a lost ps is restarted alone and the running chief restores it."""
+        `ps_in_place`: a lost ps is restarted alone and the running chief restores it;
+        `chief_elsewhere`: this host runs servers but not the chief (`--tasks`)."""
         if event.kind == "ps" and ps_in_place:
             return self._restart(event, Action.RESTART_TASK,
                                  "restarting it; the chief restores its variables in place "
                                  "from the last backup")
+        if event.kind == "ps" and chief_elsewhere:
+            return self._restart(event, Action.RESTART_TASK, (
+                "restarting it at its address; the chief, on its own host, restores its "
+                "variables in place from the last backup where it can, else it says why and "
+                "the job restarts from that backup"))
         if event.kind == "worker":
             return self._restart(event, Action.RESTART_TASK,
                                  "restarting it; training continues in the same chief")
         if event.kind == "ps":
-            # `delay` serves a host of servers, which restarts its ps alone (no chief there).
+            # `delay` serves a launcher with no chief running at the time (between two).
             count, give_up = self._count(event)
             return give_up or Decision(Action.WAIT_FOR_CHIEF, delay=self._delay(count), reason=(
                 f"{event.describe()}; the variables it held are gone: the chief stops, then "

@@ -11,7 +11,9 @@ decision; this module only carries it out:
 - a lost ps is restarted alone and the chief restores it in place
   (`--ps-recovery in-place`, the default); with `restart`, or when the chief
   cannot, its `fit` stops (`ParameterServerError`; stopped after
-  `ps_failure_grace`), then the job restarts;
+  `ps_failure_grace`), then the job restarts. On a host of servers without the
+  chief (`--tasks`), its ps is restarted alone too: the chief, elsewhere, learns
+  of it through its connection and restores it in place or restarts the job;
 - a job restart stops the chief, restarts every server of this host and
   starts the chief again, which resumes from its last backup;
 - SIGTERM (a drain or preemption on Kubernetes) is forwarded to the chief,
@@ -206,7 +208,7 @@ class Supervisor:
                                         metrics_port=self.view.chief_metrics_port,
                                         events=self.view.events_path,
                                         membership=self._scaler and self._scaler.directory,
-                                        ps_recovery=self._ps_recovery())
+                                        ps_recovery=self.config.ps_recovery)
         self.chief = chief_process.ChiefProcess(
             self.config.command, env, os.path.join(self.run_dir, "chief-0.log"), out=self.out)
         self.view.started_task(CHIEF, self.chief.pid)
@@ -229,8 +231,10 @@ class Supervisor:
                 self._scale()
                 time.sleep(0.1)
                 continue
-            decision = self.policy.decide(event, self._server_lost, self._chief_runs() and (
-                self._ps_recovery() == "in-place"))
+            decision = self.policy.decide(
+                event, self._server_lost,
+                ps_in_place=self._chief_runs() and self.config.ps_recovery == "in-place",
+                chief_elsewhere=not self.config.runs_chief)
             self.say(decision.reason)
             self.view.record_exit(event, decision)
             if decision.action is Action.FINISH:
@@ -249,9 +253,6 @@ class Supervisor:
         if self._scaler and not (self._due or self._chief_due or self._stop_signal) and \
                 self._interruptible(self._scaler.poll, self.cluster, self._chief_runs()):
             self._write_tasks()
-
-    def _ps_recovery(self):
-        return self.policy.ps_recovery(self.config.ps_recovery, local=self.config.tasks is None)
 
     def _chief_runs(self):
         return self.chief is not None and self.chief.poll() is None

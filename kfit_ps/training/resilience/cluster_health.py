@@ -12,7 +12,7 @@ worker that comes back in time is taken back by TensorFlow as usual.
 A lost ps takes the variables it held with it. Under `kfit-ps run
 --ps-recovery in-place` (the default) the chief restores them in place where
 it can (`kfit_ps.training.resilience.ps_recovery`); where it cannot (no backup yet, a
-`DynamicEmbedding`, one-pass epochs, a plain script, several hosts),
+`DynamicEmbedding`, one-pass epochs, a plain script, a ps not back in time),
 TensorFlow's gRPC errors from `join()` or from reading a variable reach the
 caller: `cluster_errors()` turns those (and only those: errors of the program
 pass through) into `kfit_ps.errors.ParameterServerError` naming the ps tasks,

@@ -1,10 +1,12 @@
 """A lost ps restored in place: training goes on in the same chief process.
 
 Under `kfit-ps run --ps-recovery in-place` (the default), the launcher restarts a
-ps that died at its address, and the chief's `fit` does not stop: when a
-scheduled function fails, `PsRecovery.lost()` probes every ps task's variables
-(a ps that died or restarted no longer answers for them). For those tasks,
-`recover()`:
+ps that died at its address (on many hosts, `--tasks`, the ps host's own
+launcher), and the chief's `fit` does not stop: when a scheduled function fails,
+`PsRecovery.lost()` probes every ps task's variables (a ps that died or
+restarted no longer answers for them). The chief learns of the loss and of the
+new process from its connection alone, never from a launcher's process table,
+so a ps on another host is restored the same way. For those tasks, `recover()`:
 
 1. waits for the functions in flight (those that used the lost ps fail; their
    steps are scheduled again), then for the ps to accept connections again;
@@ -135,7 +137,8 @@ class PsRecovery:
         names = ", ".join(f"ps:{t}" for t in tasks)
         self._recovered_at = time.monotonic()
         seconds = time.monotonic() - started
-        size = f"{written / 2**20:.{0 if written >= 10 * 2**20 else 2}f} MB"  # Never "0 MB".
+        size = (f"{written / 2**20:.{0 if written >= 10 * 2**20 else 2}f} MB"
+                if written >= 2**20 / 100 else f"{written} bytes")  # Never "0 MB" nor "0.00".
         reason = (f"{names} restored in place from the backup of step {marker['step']} "
                   f"({size}) in {seconds:.1f} s; the other ps tasks keep their state")
         _tf_compat.print_msg(f"kfit_ps: {reason}")
