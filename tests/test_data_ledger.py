@@ -9,6 +9,7 @@ import json
 import os
 import re
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -463,6 +464,14 @@ def test_a_split_shuffle_mixes_each_splits_records_and_keeps_every_record_once(
     assert len(set(order)) == plain.examples_in(first, count)
     assert (mixed[0] != order).mean() > 0.9  # mixed across the split's batches
     assert (mixed[0] == mixed[1]).all() and (mixed[0] != mixed[2]).mean() > 0.9
+    keras.utils.set_random_seed(0)  # TensorFlow's global seed plays no part in the order.
+    assert (split(source, first, count, 0).numpy() == mixed[0]).all()
+    # A backup records the shuffle; a resume with another seed is refused, naming both.
+    other = kfit_ps.ledger.dataset_source(dataset, "x", split_shuffle=kfit_ps.ledger.
+                                          split_shuffle(dataset, 1000, seed=8))
+    from kfit_ps.training.callbacks import backup_and_restore as backups
+    assert not backups._same_data(source.describe(), other.describe())
+    assert "buffer 1000, seed 7" in backups._data_kind(source.describe())
     counts, logs = _counts_after(model, lambda: model.fit(shuffled, epochs=2, verbose=0))
     assert (counts == 2).all() and logs["ledger_splits_lost"] == [0, 0]
     with pytest.raises(ValueError, match="`steps_per_epoch` streams"):
@@ -476,6 +485,23 @@ def test_a_split_shuffle_is_only_for_file_pipelines_in_fit(model):
         model.evaluate(kfit_ps.ledger.split_shuffle(_dataset(), 100), verbose=0)
     with pytest.raises(ValueError, match="buffer_size=1"):
         kfit_ps.ledger.split_shuffle(_dataset(), 1)
+
+
+def test_a_split_shuffle_buffer_holds_at_most_a_splits_records(tmp_path):
+    """A buffer larger than the split (5 batches) shuffles the split alone, with the memory
+    of the split's records (TensorFlow reserves the whole buffer when it starts)."""
+    paths = helpers.indexed_files(str(tmp_path), "tfrecord")
+    dataset = helpers.indexed_file_dataset(paths, BATCH)
+    source = kfit_ps.ledger.dataset_source(
+        dataset, "x", split_shuffle=kfit_ps.ledger.split_shuffle(dataset, 1 << 40))
+    data = tf.data.Dataset.from_tensors(source.tables)
+
+    @tf.function
+    def split():
+        next_batch = source.split_reader(data, 5, 0, 5)
+        return tf.concat([next_batch(j)[0][1] for j in range(5)], 0)
+
+    assert sorted(split().numpy()) == list(range(5 * BATCH, 10 * BATCH))
 
 
 def test_text_batches_hold_exactly_the_lines_textlinedataset_reads(tmp_path):

@@ -85,7 +85,11 @@ class FileSource(Batched):
                 f"it shuffles its records or batches ({node.op}): each worker would draw its "
                 "own order. Shuffle the file list instead (`Dataset.list_files(pattern)`, or "
                 "`from_tensor_slices(files).shuffle(len(files))`): each epoch then trains the "
-                "batches in a new seeded order")
+                "batches in a new seeded order" + (
+                    "; and remove this shuffle: kfit_ps.ledger.split_shuffle already shuffles "
+                    "the records within each split" if split_shuffle is not None else
+                    ", or mix records too with kfit_ps.ledger.split_shuffle(dataset, "
+                    "buffer_size)"))
         if reader is None:
             raise NotFiles(
                 f"it has a {node.op} where a file reader over a list of files, then only "
@@ -222,27 +226,27 @@ class FileSource(Batched):
         from its start by one reader (see `whole_files`); with a `split_shuffle`, the
         split's records shuffled, then batched; else each batch read by its index."""
         first = tf.cast(first, tf.int64)
+        limit = tf.cast(count, tf.int64) * self.batch_size  # The split's records, at most.
         if self._whole is not None:
             return self._whole.split_reader(
                 tf.data.experimental.at(data, 0), first, epoch, self._seed_if_shuffled(),
                 lambda path, records: self._batches(whole_files.records(
                     path, self.record_kind, self.compression, self.skip + records),
-                    epoch, first, self._graph, self._output))
+                    epoch, first, limit, self._graph, self._output))
         if self.split_shuffle is None:
             return super().split_reader(data, first, epoch, count)
         tables = tf.data.experimental.at(data, 0)
         records = tf.data.Dataset.range(first, first + tf.cast(count, tf.int64)).flat_map(
             lambda batch: self._records(tables, batch, epoch))
         return whole_files.in_turn(
-            self._batches(records, epoch, first, self._batch_graph, self._batch_output),
+            self._batches(records, epoch, first, limit, self._batch_graph, self._batch_output),
             "a split of the files")
 
-    def _batches(self, records, epoch, first, graph, output):
-        """The pipeline's batches of `records` (the split from batch `first`'s, shuffled
-        first with a `split_shuffle`): its steps after the reader, replayed."""
+    def _batches(self, records, epoch, first, limit, graph, output):
+        """The pipeline's batches of `records` (the split from batch `first`'s, at most
+        `limit`; shuffled first with a `split_shuffle`): its steps after the reader."""
         if self.split_shuffle is not None:
-            records = records.shuffle(self.split_shuffle.buffer_size,
-                                      seed=self.split_shuffle.seed_of(epoch, first))
+            records = self.split_shuffle.shuffled(records, epoch, first, limit)
         return dataset_graph.replay(graph, output, self._root, records, self.element_spec)
 
     def read(self, data, batch, epoch):

@@ -3,8 +3,9 @@
 A `shuffle` in the user's pipeline is refused: each worker would draw its own
 order. `split_shuffle(dataset, buffer_size)` asks kfit_ps for the shuffle
 instead: the function that trains a split reads the split's records as one
-stream, passes them through a `buffer_size` shuffle seeded by the seed, the
-epoch and the split's first batch, then through the pipeline's own steps
+stream, passes them through a `buffer_size` shuffle (at most the split's
+records) seeded by the seed, the epoch and the split's first batch (not by
+TensorFlow's global seed), then through the pipeline's own steps
 after its reader (`map`, `batch`, ...). A split holds the same records
 whichever worker trains it and however often, so every record is still
 trained once per epoch, and a re-run split trains the same records again.
@@ -19,6 +20,8 @@ import tensorflow as tf
 
 from kfit_ps import validation
 
+_SEED2 = 0x6B66_6974  # The shuffle's second seed: fixed ("kfit").
+
 
 @dataclasses.dataclass(frozen=True)
 class SplitShuffle:
@@ -28,11 +31,22 @@ class SplitShuffle:
     buffer_size: int
     seed: int
 
-    def seed_of(self, epoch, first):
-        """The shuffle's seed for the split from batch `first` of `epoch` (int64 tensors)."""
-        mixed = (tf.cast(self.seed, tf.int64) * 1_000_003 + tf.cast(epoch, tf.int64)) \
+    def shuffled(self, records, epoch, first, limit):
+        """`records` (the split from batch `first` of `epoch`: at most `limit` of them, an
+        int64 tensor) through a shuffle buffer of `min(buffer_size, limit)` seeded by the
+        seed, the epoch and the split only: the raw op, so that TensorFlow's global seed
+        (`tf.random.set_seed`, `keras.utils.set_random_seed`) plays no part."""
+        seed = (tf.cast(self.seed, tf.int64) * 1_000_003 + tf.cast(epoch, tf.int64)) \
             * 1_000_033 + tf.cast(first, tf.int64)
-        return tf.math.floormod(mixed, (1 << 31) - 1)
+        spec = records.element_spec
+        variant = tf.raw_ops.ShuffleDataset(
+            input_dataset=tf.data.experimental.to_variant(records),
+            buffer_size=tf.maximum(tf.minimum(tf.constant(self.buffer_size, tf.int64),
+                                              tf.cast(limit, tf.int64)), 1),
+            seed=tf.math.floormod(seed, (1 << 31) - 1), seed2=tf.constant(_SEED2, tf.int64),
+            reshuffle_each_iteration=False, output_types=[spec.dtype],
+            output_shapes=[spec.shape])
+        return tf.data.experimental.from_variant(variant, spec)
 
     def describe(self):
         """What a backup records: a resume must shuffle the same way."""

@@ -304,11 +304,11 @@ def _check_fit_id(fit_id):
 def _same_data(saved, now):
     """Whether a backup's data (`saved`, `Ledger.state()`) is this fit's: every entry the
     backup recorded agrees (older backups recorded fewer; files recorded without `shuffle`
-    were read in their order)."""
+    were read in their order, without `split_shuffle` unshuffled within splits)."""
     if saved is None or now is None:
         return saved == now
     if saved.get("kind") == "files":
-        saved = {"shuffle": False, **saved}
+        saved = {"shuffle": False, "split_shuffle": None, **saved}
     return all(now.get(key) == value for key, value in saved.items())
 
 
@@ -335,6 +335,10 @@ def _data_kind(ledger_state):
     if "shuffle" in ledger_state:
         text += (f", shuffled with seed {ledger_state['seed']}" if ledger_state["shuffle"]
                  else ", not shuffled")
+    shuffle = ledger_state.get("split_shuffle")
+    if shuffle:
+        text += (f", records shuffled within splits (buffer {shuffle['buffer_size']}, seed "
+                 f"{shuffle['seed']})")
     if "files" in ledger_state:
         text += f", {ledger_state['files']}"
     if "fingerprint" in ledger_state:
