@@ -118,6 +118,7 @@ def test_launch_defaults_come_from_launch_config_alone(monkeypatch):
     import dataclasses
 
     from kfit_ps import constants
+    from kfit_ps.cli import launch_commands
     from kfit_ps.cli.main import build_parser
     from kfit_ps.launch.config import LaunchConfig
 
@@ -125,11 +126,16 @@ def test_launch_defaults_come_from_launch_config_alone(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     parser = build_parser()
     args = parser.parse_args(["run", "--", "python", "train.py"])
-    flags = {"num_workers": "workers", "num_ps": "ps"}
+    # --workers is both fields' flag: `worker_counts` resolves it by the form (--tasks or not).
+    counts = dict(zip(("num_workers", "initial_workers"),
+                      launch_commands.worker_counts(args.workers, None)))
+    flags = {"num_ps": "ps"}
     for field in dataclasses.fields(LaunchConfig):
         if field.name in ("command", "tasks", "run_dir", "backup_dir", "ps_failure_grace"):
             continue
-        assert getattr(args, flags.get(field.name, field.name)) == field.default, field.name
+        value = counts[field.name] if field.name in counts else getattr(
+            args, flags.get(field.name, field.name))
+        assert value == field.default, field.name
     run_help = next(a for a in parser._subparsers._group_actions[0].choices.items()
                     if a[0] == "run")[1].format_help()
     assert "(default 3)" in run_help and "(default 20;" in " ".join(run_help.split())

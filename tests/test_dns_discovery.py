@@ -1,9 +1,13 @@
-"""Workers found through DNS (`kfit-ps run --discover-workers`, `kfit_ps.launch.discovery`).
+"""The workers of a multi-host job's chief: found through DNS (`kfit-ps run --discover-workers`,
+`kfit_ps.launch.discovery`), or `TF_CONFIG`'s list scaled by `kfit-ps scale`
+(`kfit_ps.launch.roster`); one publisher (`DiscoveredWorkers`) for both.
 
-The unit tests drive the discovery with a fake resolver and clock. The job test runs
-every host in its own network namespace, with a real DNS server (`dnsmasq`) that serves
-the workers' names: a worker added by DNS alone and later removed, and a worker killed
-and brought back at a new address under its old name, during one `fit`.
+The unit tests drive the discovery with a fake resolver and clock, the roster with a fake
+wait for servers. The DNS job test runs every host in its own network namespace, with a
+real DNS server (`dnsmasq`) that serves the workers' names: a worker added by DNS alone
+and later removed, and a worker killed and brought back at a new address under its old
+name, during one `fit`. The roster's job test runs a launcher per host on this machine's
+loopback: the chief starts on 1 of 2 workers, `kfit-ps scale` grows it to 2 and back to 1.
 """
 
 import json
@@ -18,7 +22,7 @@ import time
 import pytest
 
 from kfit_ps import membership
-from kfit_ps.launch import discovery
+from kfit_ps.launch import discovery, roster
 from kfit_ps.launch.config import LaunchConfig
 from kfit_ps.observe import events as event_log
 from tests import dns, helpers, netns
@@ -107,18 +111,12 @@ def test_the_publisher_makes_one_change_at_a_time_and_refuses_scale_requests(tmp
         def emit(self, kind, task=None, reason="", **fields):
             emitted.append((kind, task))
 
-    class Wanted:
-        lists = [[name(0)], [name(0), name(1)], [name(0)], [name(0)]]
-
-        def poll(self, current):
-            return self.lists.pop(0) if len(self.lists) > 1 else self.lists[0]
-
-        def close(self):
-            pass
+    lists = [[name(0)], [name(0), name(1)], [name(0)], [name(0)]]
+    dns, _ = fake_dns({})  # The DNS source's own refusal; what it wants, from `lists`.
+    dns.poll = lambda current: lists.pop(0) if len(lists) > 1 else lists[0]
 
     clock = Clock()
-    published = discovery.DiscoveredWorkers(str(tmp_path), said.append, View(),
-                                            "job-worker-{i}.svc:2222", 4, 5.0, dns=Wanted(),
+    published = discovery.DiscoveredWorkers(str(tmp_path), said.append, View(), dns,
                                             clock=clock)
     directory = str(tmp_path / membership.DIR_NAME)
     assert published.wait_for_workers(sleep=lambda s: None) == [name(0)]
@@ -162,8 +160,7 @@ def test_workers_that_only_take_a_new_index_are_not_told_to_stop(tmp_path):
             pass
 
     clock = Clock()
-    published = discovery.DiscoveredWorkers(str(tmp_path), [].append, View(),
-                                            "job-worker-{i}.svc:2222", 4, 5.0, dns=Wanted(),
+    published = discovery.DiscoveredWorkers(str(tmp_path), [].append, View(), Wanted(),
                                             clock=clock)
     directory = str(tmp_path / membership.DIR_NAME)
     published.wait_for_workers(sleep=lambda s: None)
@@ -206,6 +203,123 @@ def test_bad_discovery_arguments_name_the_flag(kwargs, error):
     kwargs = dict(dict(command=("python", "x.py"), tasks=(("chief", 0),)), **kwargs)
     with pytest.raises(ValueError, match=re.escape(error)):
         LaunchConfig(**kwargs)
+
+
+class Events:
+    """A `JobView` stand-in: the events emitted, as (kind, task, fields)."""
+
+    def __init__(self):
+        self.emitted = []
+
+    def emit(self, kind, task=None, reason="", **fields):
+        self.emitted.append((kind, task, fields))
+
+    def kinds(self, kind):
+        return [(task, fields) for k, task, fields in self.emitted if k == kind]
+
+
+ROSTER = ["h0:2222", "h1:2222", "h2:2222"]
+
+
+def test_the_roster_starts_on_its_first_workers_and_grows_once_the_new_ones_serve():
+    waited, down = [], {"h2:2222"}
+
+    def wait(addresses, seconds):
+        waited.append((list(addresses), seconds))
+        return [a for a in addresses if a in down]
+
+    listed = roster.ListedWorkers(ROSTER, 1, wait=wait, join_seconds=7.0)
+    assert listed.poll([]) == ROSTER[:1]
+    assert roster.ListedWorkers(ROSTER).poll([]) == ROSTER  # default: all of them
+    said = listed.request(3, ROSTER[:1])
+    assert waited == [(ROSTER[1:], 7.0)]  # only the new ones are waited for
+    assert said == ("scale to 3 workers refused, the job keeps 1: h2:2222 did not serve within "
+                    "7 s. Start kfit-ps run --tasks on its host (worker:2), then ask again")
+    assert listed.poll(ROSTER[:1]) == ROSTER[:1]
+    assert listed.request(2, ROSTER[:1]).startswith("scaling to 2 workers: h1:2222 serves")
+    assert listed.poll(ROSTER[:1]) == ROSTER[:2]
+    assert listed.request(2, ROSTER[:2]) == "scale: the job already has 2 workers"
+    said = listed.request(4, ROSTER[:2])
+    assert said.startswith("scale to 4 workers refused: TF_CONFIG lists 3 workers"), said
+    waited.clear()
+    assert listed.request(1, ROSTER[:2]) == ("scaling to 1 workers: the chief drains h1:2222, "
+                                             "then they may stop")
+    assert waited == [] and listed.poll(ROSTER[:2]) == ROSTER[:1]  # a removal waits for nothing
+
+
+@pytest.mark.parametrize("addresses, wanted, error", [
+    (ROSTER, 4, "--workers: a job with --tasks chief:0 starts on the first N of TF_CONFIG's 3 "
+                "workers, so N must be between 1 and 3. Received: --workers 4."),
+    ([], None, "TF_CONFIG's cluster lists no worker"),
+])
+def test_a_roster_too_short_for_workers_names_the_flag(addresses, wanted, error):
+    with pytest.raises(ValueError, match=re.escape(error)):
+        roster.ListedWorkers(addresses, wanted)
+
+
+def test_the_publisher_takes_scale_requests_within_the_roster(tmp_path):
+    """A request grows the published list once the new ones serve (the chief applies each
+    change before the next), shrinks it, and tells the removed one it may stop once drained;
+    a request beyond the roster or for an address that does not serve changes nothing."""
+    said, view, clock = [], Events(), Clock()
+    down = set()
+    listed = roster.ListedWorkers(ROSTER, 1, wait=lambda addresses, seconds: [
+        a for a in addresses if a in down])
+    published = discovery.DiscoveredWorkers(str(tmp_path), said.append, view, listed,
+                                            clock=clock)
+    directory = str(tmp_path / membership.DIR_NAME)
+    assert published.wait_for_workers(sleep=lambda s: None) == ROSTER[:1]
+    assert membership.latest(directory) == (1, ROSTER[:1])
+    membership.acknowledge(directory, 1)
+
+    def poll(at):
+        clock.now = at
+        return published.poll(None, chief_running=True)
+
+    down.add("h2:2222")
+    membership.request_scale(str(tmp_path), 3)
+    assert not poll(1.0)
+    assert membership.latest(directory) == (1, ROSTER[:1])
+    assert "h2:2222 did not serve" in said[-1], said
+    membership.request_scale(str(tmp_path), 2)
+    assert poll(2.0)
+    assert membership.latest(directory) == (2, ROSTER[:2])
+    assert view.kinds("worker_ready") == [("worker:0", {"address": "h0:2222"}),
+                                          ("worker:1", {"address": "h1:2222"})]
+    assert [fields["workers"] for _, fields in view.kinds("scale")] == [3, 2]
+    membership.request_scale(str(tmp_path), 1)
+    assert not poll(3.0)  # generation 2 not applied yet: one change at a time
+    membership.acknowledge(directory, 2)
+    assert poll(4.0)
+    assert membership.latest(directory) == (3, ROSTER[:1])
+    assert not poll(5.0) and view.kinds("task_removed") == []  # not drained yet
+    membership.acknowledge(directory, 3)
+    assert not poll(6.0)
+    assert view.kinds("task_removed") == [("worker:1", {"address": "h1:2222"})]
+    assert said[-1].startswith("workers from TF_CONFIG's worker list: 1 (was 2): h0:2222"), said
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(tasks=None), "needs tasks with chief:0"),
+    (dict(tasks=(("ps", 0),), command=()), "needs tasks with chief:0"),
+    (dict(discover_workers="w-{i}.svc:2222"), "no --discover-workers"),
+    (dict(initial_workers=0), "initial_workers"),
+])
+def test_bad_initial_workers_name_the_flag(kwargs, error):
+    kwargs = dict(dict(command=("python", "x.py"), tasks=(("chief", 0),), initial_workers=2),
+                  **kwargs)
+    with pytest.raises(ValueError, match=re.escape(error)) as raised:
+        LaunchConfig(**kwargs)
+    assert "--workers" in str(raised.value)
+
+
+def test_workers_on_a_host_without_the_chief_is_a_usage_error(capsys):
+    from kfit_ps.cli.main import main
+
+    with pytest.raises(SystemExit) as raised:
+        main(["run", "--tasks", "ps:0", "--workers", "2"])
+    assert raised.value.code == 2
+    assert "(--workers with --tasks)" in capsys.readouterr().err
 
 
 # The job: STEPS steps of a small model. Until the file `release` exists, the chief schedules
@@ -385,3 +499,101 @@ def test_workers_found_through_dns_join_leave_and_come_back_at_a_new_address(hos
         statuses = run.stop_all()
         print("\n".join(run.lines[-80:]))
     assert all(status == 128 + signal.SIGTERM for status in statuses.values()), statuses
+
+
+class LoopbackHosts:
+    """`netns.Hosts`' `run`/`close` for launchers that all run on this machine's loopback."""
+
+    def __init__(self):
+        self.processes = []
+
+    def run(self, host, args, **popen_kwargs):
+        proc = helpers.popen(args, **popen_kwargs)
+        self.processes.append(proc)
+        return proc
+
+    def close(self):
+        for proc in self.processes:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+ROSTER_STEPS = 2000
+ROSTER_JOB = textwrap.dedent(f"""
+    import json, sys
+    import keras, kfit_ps
+    import tensorflow as tf
+    from tests import helpers as h
+
+    strategy = kfit_ps.ParameterServerStrategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(1)])
+        model.compile("sgd", "mse", metrics=[h.counting_metric()])
+
+    def data(context):
+        x = tf.random.stateless_normal((1024, 8), seed=(1, 2))
+        y = tf.reduce_sum(x, axis=1, keepdims=True)
+        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16)
+
+    history = model.fit(kfit_ps.DatasetCreator(data), epochs=1, steps_per_epoch={ROSTER_STEPS},
+                        verbose=0, callbacks=[h.paced_until(sys.argv[1])])
+    print("RESULT " + json.dumps({{"iterations": int(model.optimizer.iterations.numpy()),
+                                  "batches": history.history["batches"][-1]}}), flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_kfit_ps_scale_changes_a_multi_host_job_within_tf_config_s_workers(tmp_path):
+    """`kfit-ps run --tasks chief:0,ps:0 --workers 1` with TF_CONFIG listing 2 workers, each
+    under its own `kfit-ps run --tasks worker:I` on loopback: the chief starts on worker:0;
+    `kfit-ps scale --workers 2` (worker:1's launcher started only after the request: the
+    request waits for it to serve) brings worker:1 into the running fit, `--workers 1`
+    drains it. Every step once, no restart anywhere."""
+    from kfit_ps import net
+
+    chief, ps, w0, w1 = (f"localhost:{port}" for port in net.distinct_ports("localhost", 4,
+                                                                              set()))
+    cluster = {"chief": [chief], "worker": [w0, w1], "ps": [ps]}
+    env = dict(helpers.chief_env(), TF_CONFIG=json.dumps(
+        {"cluster": cluster, "task": {"type": "chief", "index": 0}}))
+    release = tmp_path / "release"
+    (tmp_path / "job.py").write_text(ROSTER_JOB)
+    hosts = LoopbackHosts()
+    run = Launchers(hosts, tmp_path, env)
+    started = time.monotonic()
+    try:
+        run.start("w0", "--tasks", "worker:0")
+        run.start("chief", "--tasks", "chief:0,ps:0", "--workers", "1", "--",
+                  sys.executable, str(tmp_path / "job.py"), str(release))
+        chief_events(tmp_path, lambda e: e["event"] == "fit_begin", 60, run)
+        scaled = subprocess.run(
+            [sys.executable, "-m", "kfit_ps.cli.main", "scale", "--run-dir",
+             str(tmp_path / "chief"), "--workers", "2"], env=env, cwd=helpers.ROOT,
+            capture_output=True, text=True, timeout=30)
+        assert scaled.returncode == 0, scaled.stderr
+        run.start("w1", "--tasks", "worker:1")
+        chief_events(tmp_path, lambda e: e["event"] == "first_step" and e["task"] == "worker:1",
+                     40, run)
+        membership.request_scale(str(tmp_path / "chief"), 1)
+        chief_events(tmp_path, lambda e: e["event"] == "task_removed"
+                     and e["task"] == "worker:1", 30, run)
+        release.write_text("")
+        line = run.read_until("chief", lambda l: "[chief] RESULT " in l, timeout=60)
+        assert run.procs["chief"].wait(timeout=30) == 0, "\n".join(run.lines[-60:])
+        result = json.loads(line.split("RESULT ", 1)[1])
+        assert result == {"iterations": ROSTER_STEPS, "batches": float(ROSTER_STEPS)}, result
+        events = event_log.read(str(tmp_path / "chief" / "events.jsonl"))
+        assert [e["workers"] for e in events if e["event"] == "workers"] == [2, 1], events
+        assert [e["workers"] for e in events if e["event"] == "scale"] == [2, 1], events
+        kinds = [e["event"] for e in events]
+        assert "job_restart" not in kinds and "restart" not in kinds, kinds
+        for host in ("chief", "w0", "w1"):
+            assert read_tasks(tmp_path / host / "tasks.json")["restarts"] == {}, host
+        print(f"scaled 1 -> 2 -> 1 in {time.monotonic() - started:.1f} s")
+    finally:
+        statuses = run.stop_all()
+        hosts.close()
+        print("\n".join(run.lines[-60:]))
+    assert statuses == {"w0": 128 + signal.SIGTERM, "w1": 128 + signal.SIGTERM}, statuses

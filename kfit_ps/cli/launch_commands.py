@@ -68,6 +68,20 @@ def _chief_command(args):
     return command[1:] if command[:1] == ["--"] else command
 
 
+def worker_counts(workers, tasks):
+    """`LaunchConfig`'s `(num_workers, initial_workers)` from `--workers` (None: not given).
+
+    Without --tasks, the servers to start: $KFIT_PS_WORKERS, else `num_workers`' default.
+    With --tasks, the first N of TF_CONFIG's workers the chief starts on (default all; no
+    environment variable: every host of a job shares its environment).
+    """
+    if tasks is not None:
+        return _default("num_workers"), workers
+    if workers is None:
+        workers = constants.env_int(constants.WORKERS_ENV, _default("num_workers"))
+    return workers, _default("initial_workers")
+
+
 def cmd_run(args, parser):
     from kfit_ps.launch import LaunchConfig, Supervisor
 
@@ -76,8 +90,10 @@ def cmd_run(args, parser):
                     "machine alone; a host of a multi-host job needs its network.")
     network("isolated" if args.isolated else "host", args.argv, required_by="--isolated")
     tasks = _parse_tasks(parser, args.tasks) if args.tasks is not None else None
+    num_workers, initial_workers = worker_counts(args.workers, tasks)
     try:
-        config = LaunchConfig(command=_chief_command(args), num_workers=args.workers,
+        config = LaunchConfig(command=_chief_command(args), num_workers=num_workers,
+                              initial_workers=initial_workers,
                               num_ps=args.ps, max_restarts=args.max_restarts,
                               backup_dir=args.backup_dir, save_freq=args.save_freq,
                               run_dir=args.run_dir, tasks=tasks, backoff=args.backoff,
@@ -240,8 +256,11 @@ def add_parsers(sub):
         "run", help="run a script as the chief of a job that survives the loss of any task",
         description="Starts the worker and ps servers and the script (after --) as the chief, "
                     "with TF_CONFIG set; restarts lost tasks; returns the chief's exit status.")
-    run.add_argument("--workers", type=int,
-                     default=constants.env_int(constants.WORKERS_ENV, _default("num_workers")))
+    run.add_argument("--workers", type=int, default=None,
+                     help="worker servers to start (default $KFIT_PS_WORKERS, else "
+                          f"{_shown('num_workers')}); with --tasks chief:0, the chief starts "
+                          "on the first N of TF_CONFIG's workers, and `kfit-ps scale` changes "
+                          "N within them (default: all)")
     run.add_argument("--ps", type=int,
                      default=constants.env_int(constants.PS_ENV, _default("num_ps")))
     for flag, kind, what in _TIMING_FLAGS:
@@ -308,7 +327,8 @@ def add_parsers(sub):
         "scale", help="add or remove workers of a running job (kfit-ps run) during fit",
         description="Asks a job's launcher for a number of workers: new ones join the "
                     "chief's fit at its next safe point; removed ones are drained, then "
-                    "stopped. Returns at once.")
+                    "stopped. On the chief's host of a multi-host job (--tasks chief:0), the "
+                    "first N of TF_CONFIG's workers, once they serve. Returns at once.")
     scale.add_argument("--run-dir", required=True,
                        help="the job's run directory (printed by kfit-ps run at its start)")
     scale.add_argument("--workers", type=int, required=True,

@@ -13,7 +13,8 @@ class LaunchConfig:
     Args:
         command: the chief's command line, e.g. `("python", "train.py")`. May be
             empty only with `tasks` that hold no chief (a host of servers).
-        num_workers: worker servers (local form). Defaults to 2.
+        num_workers: worker servers (local form). Defaults to 2. With `tasks` that
+            hold `"chief", 0`, see `initial_workers`.
         num_ps: ps servers (local form). Defaults to 1.
         max_restarts: restarts allowed per task (each worker, each ps, the chief)
             before the job fails with a summary. Defaults to 3.
@@ -64,6 +65,10 @@ class LaunchConfig:
         discovery_grace: with `discover_workers`, seconds a worker's name may stop
             resolving (a pod restarting under its name) before the worker is removed.
             Defaults to 30.
+        initial_workers: on the chief's host of a multi-host job (`tasks` with
+            `"chief", 0`, no `discover_workers`): the job starts on the first N of
+            `TF_CONFIG`'s workers; `kfit-ps scale` then changes N within that list
+            (`launch.roster`). Defaults to None: all of them.
     """
 
     command: tuple = ()
@@ -86,6 +91,7 @@ class LaunchConfig:
     discover_workers: str = None
     max_workers: int = 16
     discovery_grace: float = 30.0
+    initial_workers: int = None
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -133,6 +139,8 @@ class LaunchConfig:
                                                  owner="LaunchConfig", hint="(--max-workers)"))
         if self.discover_workers is not None:
             self._check_discovery(runs_chief)
+        if self.initial_workers is not None:
+            self._check_initial_workers(runs_chief)
         if runs_chief and not self.command:
             raise ValueError(
                 "LaunchConfig: the chief needs a command. Received: command=(). Example: "
@@ -152,6 +160,19 @@ class LaunchConfig:
                 f"Received: tasks={self.tasks}. Example: kfit-ps run --tasks chief:0 "
                 "--discover-workers job-worker-{i}.job-worker.default.svc:2222 -- python "
                 "train.py")
+
+    def _check_initial_workers(self, runs_chief):
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        set_("initial_workers", validation.check_int(
+            "initial_workers", self.initial_workers, 1, owner="LaunchConfig",
+            hint="(--workers with --tasks chief:0: the first N of TF_CONFIG's workers)"))
+        if self.tasks is None or not runs_chief or self.discover_workers is not None:
+            raise ValueError(
+                "LaunchConfig: `initial_workers` (--workers with --tasks) starts the chief of a "
+                "multi-host job on the first N of TF_CONFIG's workers: it needs tasks with "
+                f"chief:0 and no --discover-workers. Received: tasks={self.tasks}, "
+                f"discover_workers={self.discover_workers!r}. Pass --workers on the chief's "
+                "host only (with --discover-workers, --max-workers bounds the workers).")
 
     @property
     def runs_chief(self):

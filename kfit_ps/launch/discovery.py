@@ -22,7 +22,12 @@ time, each after the chief applied the one before; the chief's side
 (`kfit_ps.training.resilience.elastic`) is the same. Kept workers never change
 their task index: a removal in the middle of the list first publishes the
 workers before it, then, once applied, the ones after it again as new workers.
-Never an empty list: with no worker left, the last list stays.
+Never an empty list: with no worker left, the last list stays. A `kfit-ps scale`
+request is refused here: DNS decides.
+
+`DiscoveredWorkers` publishes for the chief's host of a `--tasks` job without
+`--discover-workers` too: its source is then `TF_CONFIG`'s worker list
+(`launch.roster.ListedWorkers`), and a scale request sets how many of it the job uses.
 """
 
 import concurrent.futures
@@ -155,6 +160,14 @@ class DnsWorkers:
             return (int(index) if index.isdigit() else 0, host)
         return (0, socket.inet_aton(host) if host.count(".") == 3 else host)
 
+    def request(self, workers, current):
+        """A `kfit-ps scale` request: refused (DNS decides). Returns what to say."""
+        return (f"scale to {workers} workers refused: this job's workers are found through DNS "
+                f"at {self.pattern}; add or remove worker hosts (kubectl scale) instead")
+
+    def __str__(self):
+        return f"DNS at {self.pattern}"
+
     def close(self):
         self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -177,41 +190,53 @@ def next_step(current, wanted):
 
 
 class DiscoveredWorkers:
-    """The scaler of a chief's launcher whose workers come from DNS (see the module doc).
+    """The scaler of a chief's launcher of a multi-host job: publishes what `source` wants.
 
     It has `launch.scaling.Scaler`'s interface: the supervisor calls `poll()` in its loop.
+    `source` is a `DnsWorkers` (`--discover-workers`, see the module doc) or a
+    `launch.roster.ListedWorkers` (`TF_CONFIG`'s workers): `poll(current)` returns the
+    workers wanted now, `request(workers, current)` takes a `kfit-ps scale` request and
+    returns what to say, `str(source)` says where the workers come from.
     """
 
-    def __init__(self, run_dir, say, view, pattern, max_workers, grace, dns=None,
-                 clock=time.monotonic):
+    def __init__(self, run_dir, say, view, source, clock=time.monotonic):
         self.directory = os.path.join(run_dir, membership.DIR_NAME)
         membership.reset(self.directory)
         self.say, self.view, self._clock = say, view, clock
-        self.pattern = WorkerPattern.parse(pattern)
-        self.dns = dns or DnsWorkers(self.pattern, max_workers, grace)
+        self.source = source
         self.generation = 0
         self.workers = []  # The list published last (the chief's at its next start).
         self._next_look = 0.0
         self._none_said = False
         self._leaving = None  # (generation, {task: address}) until the chief drained them
 
+    @classmethod
+    def through_dns(cls, run_dir, say, view, pattern, max_workers, grace):
+        """The publisher of `--discover-workers PATTERN`."""
+        return cls(run_dir, say, view, DnsWorkers(WorkerPattern.parse(pattern), max_workers,
+                                                  grace))
+
     def wait_for_workers(self, sleep=time.sleep):
-        """Returns the first list, once at least one worker resolves and serves."""
+        """Returns the first list, once the source wants at least one worker (DNS: one that
+        resolves and serves; TF_CONFIG's list: at once)."""
         said = False
         while not self.workers:
             self.poll(None, chief_running=False)
             if not self.workers:
                 if not said:
-                    self.say(f"waiting for workers at {self.pattern} (DNS)")
+                    self.say(f"waiting for workers from {self.source}")
                     said = True
                 sleep(POLL_SECONDS)
         return self.workers
 
     def poll(self, cluster, chief_running):
-        """Refuses `kfit-ps scale` requests; publishes the next change DNS asks for."""
-        if membership.take_request(self.directory) is not None:
-            self.say(f"scale request refused: this job's workers are found through DNS at "
-                     f"{self.pattern}; add or remove worker hosts (kubectl scale) instead")
+        """Hands a `kfit-ps scale` request to the source; publishes the next change it asks
+        for."""
+        workers = membership.take_request(self.directory)
+        if workers is not None:
+            self.view.emit("scale", None, f"scale to {workers} workers requested",
+                           workers=workers)
+            self.say(self.source.request(workers, self.workers))
         now = self._clock()
         if now < self._next_look:
             return False
@@ -226,10 +251,10 @@ class DiscoveredWorkers:
                 self.view.emit("task_removed", task, f"{address} left the job ({how}): it "
                                "may stop now", address=address)
             self._leaving = None
-        wanted = self.dns.poll(self.workers)
+        wanted = self.source.poll(self.workers)
         if not wanted:
             if self.workers and not self._none_said:
-                self.say(f"no worker resolves at {self.pattern} any more; the job keeps "
+                self.say(f"no worker comes from {self.source} any more; the job keeps "
                          f"{len(self.workers)} until one does")
             self._none_said = True
             return False
@@ -247,7 +272,7 @@ class DiscoveredWorkers:
         for index, address in enumerate(self.workers):
             if index >= len(before) or before[index] != address:
                 self.view.emit("worker_ready", f"{constants.WORKER}:{index}",
-                               f"{address} resolves and serves: worker:{index}",
+                               f"{address} joins the job: worker:{index}",
                                address=address)
         # Those that leave the job (not those that come back at a new index next).
         leaving = {f"{constants.WORKER}:{index}": address for index, address in enumerate(before)
@@ -255,8 +280,8 @@ class DiscoveredWorkers:
         if leaving:
             self._leaving = leaving
         if before:
-            self.say(f"workers from DNS: {len(self.workers)} (was {len(before)}): "
+            self.say(f"workers from {self.source}: {len(self.workers)} (was {len(before)}): "
                      f"{', '.join(self.workers)}; the chief takes them at its next safe point")
 
     def close(self):
-        self.dns.close()
+        self.source.close()

@@ -13,8 +13,10 @@ The supervisor calls `Scaler.poll()` from its loop. A scale request
   then it stops them. They are not failures: no restart, no budget spent.
 
 One change at a time: a request that arrives while workers are leaving waits.
-Only a job whose servers this launcher started itself (`kfit-ps run` without
-`--tasks`) can be scaled; elsewhere a request is refused on the output.
+This is the scaler of a job whose servers this launcher started itself
+(`kfit-ps run` without `--tasks`). On the chief's host of a multi-host job the
+request is `launch.roster`'s (within `TF_CONFIG`'s workers), or refused when DNS
+finds the workers (`launch.discovery`).
 """
 
 import os
@@ -56,9 +58,9 @@ class Scaler:
             return False
         self.view.emit("scale", None, f"scale to {workers} workers requested", workers=workers)
         if cluster is None or not cluster.resizable:
-            self.say(f"scale to {workers} workers refused: only a job whose servers this "
-                     "launcher started (kfit-ps run without --tasks) can be scaled; change a "
-                     "multi-host cluster's TF_CONFIG and restart it")
+            self.say(f"scale to {workers} workers refused: this launcher did not pick its "
+                     "servers' addresses, so it cannot start more; run the job with kfit-ps run "
+                     "(one host), or with --tasks chief:0 and TF_CONFIG listing the workers")
             return False
         current = cluster.config.num_tasks(constants.WORKER)
         if workers == current:

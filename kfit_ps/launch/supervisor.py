@@ -6,7 +6,8 @@ watches them all. What it does when one ends is `policy.RestartPolicy`'s
 decision; this module only carries it out:
 
 - a worker is restarted at its address, and TensorFlow takes it back; workers
-  join and leave on `kfit-ps scale` (`launch.scaling`), or, with
+  join and leave on `kfit-ps scale` (`launch.scaling`; on the chief's host of a
+  `--tasks` job, within `TF_CONFIG`'s workers: `launch.roster`), or, with
   `--discover-workers`, as their names resolve in DNS (`launch.discovery`);
 - a lost ps is restarted alone and the chief restores it in place
   (`--ps-recovery in-place`, the default); with `restart`, or when the chief
@@ -43,7 +44,7 @@ from kfit_ps import constants, exit_status
 from kfit_ps.cluster.local import LocalCluster
 from kfit_ps.cluster.start_errors import ServerNotReady
 from kfit_ps.cluster.spec import ClusterConfig
-from kfit_ps.launch import chief_process, chief_watch, discovery
+from kfit_ps.launch import chief_process, chief_watch, discovery, roster
 from kfit_ps.launch.events import TaskExit
 from kfit_ps.launch.job_view import JobView
 from kfit_ps.launch.liveness import LivenessWatch
@@ -142,24 +143,35 @@ class Supervisor:
         os.makedirs(self.run_dir, exist_ok=True)
         self.say(f"{self.config!r}; logs in {self.run_dir}")
         self.view = JobView.open(self.config, self.run_dir, self.say)
-        if self.config.discover_workers:
-            self._scaler = discovery.DiscoveredWorkers(
-                self.run_dir, self.say, self.view, self.config.discover_workers,
-                self.config.max_workers, self.config.discovery_grace)
-        elif self.config.runs_chief:
-            self._scaler = Scaler(self.run_dir, self.say, self.view)
+        self._scaler = self._make_scaler()
         if self.config.runs_chief and not self.config.backup_dir:
             self.say("no --backup-dir: if the chief or a ps is lost, the job starts over from "
                      "the beginning (unless the script uses kfit_ps.callbacks.BackupAndRestore)")
         self._start_servers()
-        if self.config.discover_workers:
+        if isinstance(self._scaler, discovery.DiscoveredWorkers):
             workers = self._scaler.wait_for_workers()
-            self.say(f"workers from DNS: {', '.join(workers)}")
+            self.say(f"workers from {self._scaler.source}: {', '.join(workers)}")
         if self.config.runs_chief:
             self._start_chief()
         else:
             self._chief_watch = chief_watch.for_host(self.cluster, self.config.tasks)
         self._write_tasks()
+
+    def _make_scaler(self):
+        """Who publishes the chief's workers: `Scaler` when this launcher starts them (one
+        host); on the chief's host of a `--tasks` job, DNS or `TF_CONFIG`'s list; else none."""
+        if not self.config.runs_chief:
+            return None
+        if self.config.tasks is None:
+            return Scaler(self.run_dir, self.say, self.view)
+        if self.config.discover_workers:
+            return discovery.DiscoveredWorkers.through_dns(
+                self.run_dir, self.say, self.view, self.config.discover_workers,
+                self.config.max_workers, self.config.discovery_grace)
+        listed = ClusterConfig.from_tf_config().cluster.get(constants.WORKER, [])
+        return discovery.DiscoveredWorkers(
+            self.run_dir, self.say, self.view,
+            roster.ListedWorkers(listed, self.config.initial_workers))
 
     def _start_servers(self):
         """Starts this host's servers; one that does not start serving in time is killed and
@@ -199,9 +211,10 @@ class Supervisor:
             tf_config = self.cluster.config.to_tf_config(constants.CHIEF, 0)
         else:
             config = ClusterConfig.from_tf_config()
-            if self.config.discover_workers:  # The workers DNS found, as last published.
-                config = ClusterConfig(dict(config.cluster, worker=self._scaler.workers),
-                                       source=f"{config.source} and --discover-workers")
+            # The workers from DNS or TF_CONFIG's list (--workers, kfit-ps scale), as last
+            # published.
+            config = ClusterConfig(dict(config.cluster, worker=self._scaler.workers),
+                                   source=f"{config.source} and {self._scaler.source}")
             tf_config = config.to_tf_config(constants.CHIEF, 0)
         env = chief_process.environment(tf_config, self.config.backup_dir,
                                         self.config.save_freq, self.run_dir,

@@ -29,12 +29,17 @@ KINDS = {  # kind: what it says, and who writes it (the docs print this table).
                  "the signal that killed it)",
     "task_done": "launcher: a task's process finished its work (`status` 0)",
     "task_removed": "launcher: a worker left the job (`kfit-ps scale`): drained by the chief, "
-                    "then stopped; a worker found through DNS (`address`): drained by the chief "
-                    "once its name stopped resolving",
+                    "then stopped; on the chief's host of a multi-host job (`address`): "
+                    "drained by the chief once its name stopped resolving (DNS) or a "
+                    "scale-down left it out, and it may stop now",
     "restart": "launcher: a task was started again (`pid`, `cause`: the restart reason)",
-    "scale": "launcher: a scale request was taken (`workers`: how many the job is to have)",
-    "worker_ready": "launcher: a worker added by `kfit-ps scale` serves (`pid`), or one found "
-                    "through DNS resolves and serves (`address`)",
+    "scale": "launcher: a scale request was taken (`workers`: how many the job is to have; "
+             "the launcher's output says whether it was carried out or refused)",
+    "worker_ready": "launcher: a worker added by `kfit-ps scale` serves (`pid`); on the "
+                    "chief's host of a multi-host job, a worker joins the published list "
+                    "(`address`): found through DNS (it resolves and serves), or one of "
+                    "`TF_CONFIG`'s workers (the first list, and those a scale request added "
+                    "once they serve)",
     "workers": "chief: it trains on a new set of workers (`workers`, `addresses`)",
     "first_step": "chief: a worker that joined finished its first function (`seconds` after "
                   "the chief took it)",
