@@ -71,14 +71,39 @@ def remove_leftovers():
             shutil.rmtree(os.path.join(ETC, name), ignore_errors=True)
 
 
-class Hosts:
+class Processes:
+    """Processes started for a test's hosts; `close` kills those still running."""
+
+    def __init__(self):
+        self.processes = []
+
+    def run(self, host, args, **popen_kwargs):
+        """Starts `args` for `host` (here: on this machine; the caller reaps it)."""
+        from tests import helpers
+
+        proc = helpers.popen(self._command(host, args), **popen_kwargs)
+        self.processes.append(proc)
+        return proc
+
+    @staticmethod
+    def _command(host, args):
+        return list(args)
+
+    def close(self):
+        for proc in self.processes:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+class Hosts(Processes):
     def __init__(self, names):
+        super().__init__()
         self.tag = uuid.uuid4().hex[:6]  # In the veth names too (15 characters at most).
         owned = f"{PREFIX}{os.getpid()}-{self.tag}"  # The owner: `remove_leftovers` reads it.
         self.switch = f"{owned}-sw"
         self.namespaces = {name: f"{owned}-{name}" for name in names}
         self.addresses = {name: f"{SUBNET}.{10 + i}" for i, name in enumerate(names)}
-        self.processes = []
         try:
             _ip("netns", "add", self.switch)
             _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
@@ -107,20 +132,12 @@ class Hosts:
             with open(os.path.join(ETC, ns, "resolv.conf"), "w") as f:
                 f.write(f"nameserver {address}\noptions timeout:1 attempts:1\n")
 
-    def run(self, host, args, **popen_kwargs):
-        """Starts `args` inside `host`'s namespace (the caller reaps it; `close` kills it)."""
-        from tests import helpers
-
-        proc = helpers.popen(["ip", "netns", "exec", self.namespaces[host], *args],
-                             **popen_kwargs)
-        self.processes.append(proc)
-        return proc
+    def _command(self, host, args):
+        """`args` inside `host`'s namespace."""
+        return ["ip", "netns", "exec", self.namespaces[host], *args]
 
     def close(self):
-        for proc in self.processes:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
+        super().close()
         for ns in [*self.namespaces.values(), self.switch]:
             _ip("netns", "del", ns, check=False)
             shutil.rmtree(os.path.join(ETC, ns), ignore_errors=True)

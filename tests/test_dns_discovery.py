@@ -501,24 +501,6 @@ def test_workers_found_through_dns_join_leave_and_come_back_at_a_new_address(hos
     assert all(status == 128 + signal.SIGTERM for status in statuses.values()), statuses
 
 
-class LoopbackHosts:
-    """`netns.Hosts`' `run`/`close` for launchers that all run on this machine's loopback."""
-
-    def __init__(self):
-        self.processes = []
-
-    def run(self, host, args, **popen_kwargs):
-        proc = helpers.popen(args, **popen_kwargs)
-        self.processes.append(proc)
-        return proc
-
-    def close(self):
-        for proc in self.processes:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-
-
 ROSTER_STEPS = 2000
 ROSTER_JOB = textwrap.dedent(f"""
     import json, sys
@@ -560,7 +542,7 @@ def test_kfit_ps_scale_changes_a_multi_host_job_within_tf_config_s_workers(tmp_p
         {"cluster": cluster, "task": {"type": "chief", "index": 0}}))
     release = tmp_path / "release"
     (tmp_path / "job.py").write_text(ROSTER_JOB)
-    hosts = LoopbackHosts()
+    hosts = netns.Processes()  # launchers on this machine's loopback
     run = Launchers(hosts, tmp_path, env)
     started = time.monotonic()
     try:
