@@ -62,9 +62,17 @@ class Preempted(SystemExit):
 
 def is_cluster_failure(error):
     """Whether an uncaught `error` means the cluster, not the program, failed: a
-    `ClusterError`, or TensorFlow's `UnavailableError` (a task unreachable, e.g. a ps lost
-    while the model's variables were created, outside `fit`), classified by type."""
+    `ClusterError`, TensorFlow's `UnavailableError` (a task unreachable, e.g. a ps lost
+    while the model's variables were created, outside `fit`), or its `AbortedError` for a
+    remote context that is gone (a task restarted under the chief: a ps its host's launcher
+    brought back within a second, read by `get_weights()` or `save()` outside `fit`)."""
+    if isinstance(error, tf.errors.AbortedError):
+        return any(sign in str(error) for sign in _RESTARTED_TASK)
     return isinstance(error, (ClusterError, tf.errors.UnavailableError))
+
+
+# TensorFlow's words for a remote eager context that no longer exists (its task restarted).
+_RESTARTED_TASK = ("Unable to find a context_id", "Perhaps the worker was restarted")
 
 
 def exit_with_status_on_cluster_error(before_exit=None):

@@ -201,3 +201,18 @@ def test_a_remote_error_without_recorded_stacks_keeps_tensorflows_first_line():
     error = user_errors.condensed(tf.errors.InvalidArgumentError(None, None, message))
     assert type(error) is tf.errors.InvalidArgumentError
     assert error.message == "A step failed on worker:1: bad batch\n  at node assert_less/Assert"
+
+
+def test_a_restarted_tasks_lost_context_is_a_cluster_failure_others_are_the_programs():
+    """A ps its host's launcher brought back under the chief: a read outside `fit` fails
+    with TensorFlow's AbortedError for the lost remote context, which exits 75 (the job
+    restarts) like an unreachable task; other AbortedErrors stay the program's."""
+    from kfit_ps import errors
+
+    lost = tf.errors.AbortedError(None, None, "Unable to find a context_id matching the "
+                                  "specified one (123). Perhaps the worker was restarted, or "
+                                  "the context was GC'd? [Op:ReadVariableOp]")
+    assert errors.is_cluster_failure(lost)
+    assert errors.is_cluster_failure(tf.errors.UnavailableError(None, None, "ps:0 down"))
+    assert not errors.is_cluster_failure(tf.errors.AbortedError(None, None, "a queue closed"))
+    assert not errors.is_cluster_failure(ValueError("the user's own"))

@@ -79,8 +79,9 @@ def test_restarts_back_off_and_are_limited_per_task():
     remote = [ps.decide(TaskExit("ps:0", -9, ""), chief_elsewhere=True) for _ in range(3)]
     assert [d.delay for d in remote] == [1.0, 2.0, 3.0]
     assert {d.action for d in remote} == {Action.RESTART_TASK}
-    assert "the chief, on its own host, restores its variables in place" in remote[0].reason
-    assert "else it says why and the job restarts" in remote[0].reason
+    assert ("a chief connected to it (on its own host) restores its variables in place"
+            in remote[0].reason)
+    assert "else the job restarts from that backup" in remote[0].reason
     spent = ps.decide(TaskExit("ps:0", -9, ""), chief_elsewhere=True)
     assert spent.action is Action.FAIL and spent.exit_status == exit_status.RESTARTS_EXHAUSTED
     policy = RestartPolicy(max_restarts=1)

@@ -431,8 +431,9 @@ def test_chaos_across_hosts_restores_a_remote_ps_in_place_preempts_and_restarts_
     assert not (tmp_path / "backup").exists()
     assert run.stop_all() == {"ps0": 143, "ps1": 143, "w0": 143, "w1": 143}
     output = "\n".join(run.lines)
-    assert output.count("ps:1 ended with signal SIGKILL; restarting it at its address; the "
-                        "chief, on its own host, restores its variables in place") == 2, output
+    assert output.count("ps:1 ended with signal SIGKILL; restarting it at its address; a chief "
+                        "connected to it (on its own host) restores its variables in "
+                        "place") == 2, output
     assert output.count("[chief] kfit_ps: ps:1 restored in place from the backup of step") == 2
     # Each ps host's launcher restarted its ps each time a chief went away (the chief killed,
     # the preemption; ps1's also when the chief exited for ps:0's host).

@@ -142,9 +142,9 @@ class RestartPolicy:
                                  "from the last backup")
         if event.kind == "ps" and chief_elsewhere:
             return self._restart(event, Action.RESTART_TASK, (
-                "restarting it at its address; the chief, on its own host, restores its "
-                "variables in place from the last backup where it can, else it says why and "
-                "the job restarts from that backup"))
+                "restarting it at its address; a chief connected to it (on its own host) "
+                "restores its variables in place from the last backup where its "
+                "--ps-recovery and the fit allow, else the job restarts from that backup"))
         if event.kind == "worker":
             return self._restart(event, Action.RESTART_TASK,
                                  "restarting it; training continues in the same chief")
