@@ -205,22 +205,23 @@ def test_filtered_stderr_keeps_tracebacks_and_partial_lines():
 
 @pytest.mark.slow
 def test_quickstart_runs_under_the_launcher(tmp_path):
-    """With `--backup-dir` its files live beside the backups (a restarted chief trains on the
-    same files: a backup records them) and go with them when the job ends."""
+    """Streamed (`--steps-per-epoch`). With `--backup-dir` its files live beside the backups
+    (a restarted chief trains on the same files, which a one-pass epoch's backup records:
+    `test_quickstart_data_written_whole_is_used_again`) and go with them when the job ends."""
     backup = tmp_path / "backup"
     proc, out, pids = run_and_watch(
         [sys.executable, "-m", "kfit_ps.cli.main", "run", "--workers", "2", "--ps", "2",
          "--run-dir", str(tmp_path / "run"), "--backup-dir", str(backup), "--",
-         sys.executable, "-m", "kfit_ps.cli.main", "quickstart", "--epochs", "1"],
-        env=user_env())
+         sys.executable, "-m", "kfit_ps.cli.main", "quickstart", "--epochs", "1",
+         "--steps-per-epoch", "40"], env=user_env())
     assert proc.returncode == 0, out[-3000:]
     assert "kfit-ps run: the chief finished" in out
     match = re.search(r"\[chief\] held-out: auc=([0-9.]+) .*steps trained: (\d+)", out)
-    assert match and int(match.group(2)) == 391, out[-3000:]
+    assert match and int(match.group(2)) == 40, out[-3000:]
     assert "2 workers + 2 ps ready" in out  # the launcher's servers, not a LocalCluster of its own
     assert foreign_lines(out) == [], out[-3000:]
     # Each redraw of the progress bar ("\r", read here as a line end) carries the prefix.
-    bars = [line for line in out.splitlines() if re.search(r"\d+/391\b", line)]
+    bars = [line for line in out.splitlines() if re.search(r"\d+/40\b", line)]
     assert bars and all(line.startswith("[chief] ") for line in bars), bars
     assert len(pids) == 4 and helpers.wait_for_no_servers(pids, timeout=10) == []
     assert not backup.exists()  # the data went with the backups
