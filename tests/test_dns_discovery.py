@@ -322,19 +322,20 @@ def test_workers_on_a_host_without_the_chief_is_a_usage_error(capsys):
     assert "(--workers with --tasks)" in capsys.readouterr().err
 
 
-# The job: STEPS steps of a small model. Until the file `release` exists, the chief schedules
-# a step every 20 ms (the fit outlasts what the test drives); while the file `hold` exists it
-# schedules none (and says so in `held`), so that a worker can be killed with no step in it.
+# The job: `steps` steps of a small model. Until the file `release` exists, the chief schedules
+# a step every 20 ms (the fit outlasts what the test drives); while the file `hold` (if given)
+# exists it schedules none (and says so in `held`), so that a worker can be killed with no step
+# in it. Arguments: steps, release[, hold].
 STEPS = 3000
 DOMAIN = "kfit.test"
 PATTERN = "worker-{i}." + DOMAIN + ":2222"
-JOB = textwrap.dedent(f"""
+JOB = textwrap.dedent("""
     import json, os, sys, time
     import keras, kfit_ps
     import tensorflow as tf
     from tests import helpers as h
 
-    release, hold = sys.argv[1:]
+    steps, release, hold = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
     strategy = kfit_ps.ParameterServerStrategy()
     with strategy.scope():
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
@@ -346,18 +347,16 @@ JOB = textwrap.dedent(f"""
         y = tf.reduce_sum(x, axis=1, keepdims=True)
         return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16)
 
-    class Gate(keras.callbacks.Callback):
+    class Hold(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
-            while os.path.exists(hold):
-                open(hold + ".held", "w").close()
+            while hold and os.path.exists(hold[0]):
+                open(hold[0] + ".held", "w").close()
                 time.sleep(0.01)
-            if not os.path.exists(release):
-                time.sleep(0.02)
 
-    history = model.fit(kfit_ps.DatasetCreator(data), epochs=1, steps_per_epoch={STEPS},
-                        verbose=0, callbacks=[Gate()])
-    print("RESULT " + json.dumps({{"iterations": int(model.optimizer.iterations.numpy()),
-                                  "batches": history.history["batches"][-1]}}), flush=True)
+    history = model.fit(kfit_ps.DatasetCreator(data), epochs=1, steps_per_epoch=steps,
+                        verbose=0, callbacks=[Hold(), h.paced_until(release)])
+    print("RESULT " + json.dumps({"iterations": int(model.optimizer.iterations.numpy()),
+                                  "batches": history.history["batches"][-1]}), flush=True)
 """)
 
 needs_hosts = pytest.mark.skipif(netns.unavailable() is not None,
@@ -435,7 +434,8 @@ def test_workers_found_through_dns_join_leave_and_come_back_at_a_new_address(hos
             run.read_until(host, lambda line: "servers ready" in line)
         run.start("chief", "--tasks", "chief:0", "--discover-workers", PATTERN,
                   "--max-workers", "3", "--discovery-grace", "3", "--",
-                  sys.executable, str(tmp_path / "job.py"), str(release), str(hold))
+                  sys.executable, str(tmp_path / "job.py"), str(STEPS), str(release),
+                  str(hold))
         chief_events(tmp_path, lambda e: e["event"] == "fit_begin", 180, run)
 
         # worker-2: its name resolves, its host starts; DNS alone brings it into the fit.
@@ -502,28 +502,6 @@ def test_workers_found_through_dns_join_leave_and_come_back_at_a_new_address(hos
 
 
 ROSTER_STEPS = 2000
-ROSTER_JOB = textwrap.dedent(f"""
-    import json, sys
-    import keras, kfit_ps
-    import tensorflow as tf
-    from tests import helpers as h
-
-    strategy = kfit_ps.ParameterServerStrategy()
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                                  keras.layers.Dense(1)])
-        model.compile("sgd", "mse", metrics=[h.counting_metric()])
-
-    def data(context):
-        x = tf.random.stateless_normal((1024, 8), seed=(1, 2))
-        y = tf.reduce_sum(x, axis=1, keepdims=True)
-        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16)
-
-    history = model.fit(kfit_ps.DatasetCreator(data), epochs=1, steps_per_epoch={ROSTER_STEPS},
-                        verbose=0, callbacks=[h.paced_until(sys.argv[1])])
-    print("RESULT " + json.dumps({{"iterations": int(model.optimizer.iterations.numpy()),
-                                  "batches": history.history["batches"][-1]}}), flush=True)
-""")
 
 
 @pytest.mark.slow
@@ -541,14 +519,15 @@ def test_kfit_ps_scale_changes_a_multi_host_job_within_tf_config_s_workers(tmp_p
     env = dict(helpers.chief_env(), TF_CONFIG=json.dumps(
         {"cluster": cluster, "task": {"type": "chief", "index": 0}}))
     release = tmp_path / "release"
-    (tmp_path / "job.py").write_text(ROSTER_JOB)
+    (tmp_path / "job.py").write_text(JOB)
     hosts = netns.Processes()  # launchers on this machine's loopback
     run = Launchers(hosts, tmp_path, env)
     started = time.monotonic()
     try:
         run.start("w0", "--tasks", "worker:0")
         run.start("chief", "--tasks", "chief:0,ps:0", "--workers", "1", "--",
-                  sys.executable, str(tmp_path / "job.py"), str(release))
+                  sys.executable, str(tmp_path / "job.py"), str(ROSTER_STEPS),
+                  str(release))
         chief_events(tmp_path, lambda e: e["event"] == "fit_begin", 60, run)
         scaled = subprocess.run(
             [sys.executable, "-m", "kfit_ps.cli.main", "scale", "--run-dir",

@@ -217,7 +217,7 @@ def adapt(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True, train
                 f"`{arg}`: kfit_ps.ledger.split_shuffle(...) shuffles training data (fit's "
                 "`x`), and evaluation reads every batch as it comes. Received: "
                 f"split_shuffle(...) as `{arg}`. Pass the dataset unwrapped.")
-        split_shuffle, x = x, _made_here(x.dataset, arg)
+        split_shuffle, x = x, x.dataset  # Rebuilt below if made before the strategy.
     if isinstance(x, Shardable):
         if not training:
             sharded = True
