@@ -187,6 +187,11 @@ def run_child(args):
     paths = sorted(os.path.join(args.data_dir, f) for f in os.listdir(args.data_dir))
     report = {}
     if args.child == "keras":
+        if args.threads:  # as many threads as a cluster has workers (`bench/scaling.py`)
+            import tensorflow as tf
+
+            tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+            tf.config.threading.set_inter_op_parallelism_threads(args.threads)
         model, data = make_keras(paths, args)
         timed_fit(model, data, WARMUP_STEPS)
         seconds = timed_fit(model, data, args.steps)
@@ -222,6 +227,9 @@ def add_arguments(parser):
     parser.add_argument("--scale", type=float, default=1e-3,
                         help="Criteo cardinalities x this (the main job's 1e-3)")
     parser.add_argument("--rows", type=int, default=200_000, help="examples written")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="the keras contender's intra- and inter-op threads (0: "
+                             "TensorFlow's default, one per core)")
     parser.add_argument("--data-dir", default=None, help=argparse.SUPPRESS)
 
 

@@ -27,7 +27,8 @@ def bar_chart(path, values, title, ylabel):
 
 
 def scaling_chart(path, rows, title):
-    """`rows`: dicts with workers, ps, examples_per_s, efficiency; one line per ps count."""
+    """`rows`: dicts with workers, ps, examples_per_s, efficiency; one line per ps count, and
+    single-process Keras 3 with as many threads as workers (keras_examples_per_s) dashed."""
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
     for ps in sorted({r["ps"] for r in rows}):
@@ -35,6 +36,11 @@ def scaling_chart(path, rows, title):
         workers = [r["workers"] for r in mine]
         left.plot(workers, [r["examples_per_s"] for r in mine], marker="o", label=f"{ps} ps")
         right.plot(workers, [r["efficiency"] for r in mine], marker="o", label=f"{ps} ps")
+    keras = sorted({(r["workers"], r["keras_examples_per_s"]) for r in rows
+                    if "keras_examples_per_s" in r})
+    if keras:
+        left.plot(*zip(*keras), linestyle="--", color="gray", marker="x",
+                  label="Keras 3, one process,\nas many threads")
     left.set_xlabel("workers")
     left.set_ylabel("examples/s")
     right.set_xlabel("workers")

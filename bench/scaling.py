@@ -6,8 +6,13 @@ tables of 64 KB and more sharded over the ps tasks, batch `--batch-size`
 per worker step, `--steps` timed steps after a warm-up) on a `LocalCluster`
 of that shape on this machine. Efficiency = examples/s / (workers x the
 examples/s of 1 worker with the same ps count); 1.0 is linear scaling.
-(With `KFIT_PS_BENCH_ONE_PROCESS=1`, `child_process`, the first configuration
-runs in this process; the others need clusters of other shapes.)
+Beside each worker count, single-process Keras 3 (`dlrm_throughput.py`'s
+`keras` contender) trains the same model and data with as many intra- and
+inter-op threads as there are workers (`--threads`), in a fresh process once per
+worker count: what the same cores give without distribution. (With
+`KFIT_PS_BENCH_ONE_PROCESS=1`, `child_process`, the first configuration and the
+Keras 3 runs share this process, with its threads; the other configurations
+need clusters of other shapes.)
 
 Every process of a configuration shares this machine's cores, so a figure
 is bounded by the cores once workers + ps + 1 exceed them (the script says
@@ -17,6 +22,8 @@ workers + ps + 2 cores for the largest configuration (8 workers + 4 ps:
 
     python bench/scaling.py --workers 1,2,4,8 --ps 1,2,4 --png scaling.png
     python bench/scaling.py --workers 1,2 --ps 1,2 --steps 300    # on 2 cores
+
+On a lent 16-core device machine, in one call: `bench/device/README.md`.
 """
 
 import argparse
@@ -32,12 +39,13 @@ def _ints(text):
     return [int(v) for v in text.split(",") if v]
 
 
-def _in_this_process(child_argv):
-    """`dlrm_throughput`'s `kfit_ps` measurement of `child_argv`, run in this process."""
+def _in_this_process(child_argv, child="kfit_ps"):
+    """`dlrm_throughput`'s `child` measurement of `child_argv`, run in this process (a Keras 3
+    run with this process' threads: they are set once, before TensorFlow starts)."""
     parser = argparse.ArgumentParser()
     dlrm_throughput.add_arguments(parser)
     args = parser.parse_args(child_argv)
-    args.child = "kfit_ps"
+    args.child, args.threads = child, 0
     return lambda: dlrm_throughput.run_child(args)
 
 
@@ -57,25 +65,34 @@ def main(argv=None):
     data = argparse.Namespace(scale=1e-3, rows=args.rows)
     data_dir = dlrm_throughput.write_data(data)
     script = os.path.abspath(dlrm_throughput.__file__)
-    rows, base = [], {}
+    rows, base, keras = [], {}, {}
     for ps in args.ps:
         for workers in args.workers:
-            child_argv = ["--workers", str(workers), "--ps", str(ps), "--steps",
-                          str(args.steps), "--batch-size", str(args.batch_size),
-                          "--steps-per-execution", str(args.steps_per_execution),
-                          "--data-dir", data_dir]
+            common = ["--steps", str(args.steps), "--batch-size", str(args.batch_size),
+                      "--steps-per-execution", str(args.steps_per_execution),
+                      "--data-dir", data_dir]
+            child_argv = ["--workers", str(workers), "--ps", str(ps), *common]
             result = child_process.measure(  # (in one process: the first one only)
                 script, "kfit_ps", child_argv, timeout=3600,
                 run=None if rows else _in_this_process(child_argv))
+            if workers not in keras:  # once per worker count, beside its first configuration
+                keras_argv = ["--threads", str(workers), *common]
+                keras[workers] = child_process.measure(
+                    script, "keras", keras_argv, timeout=3600,
+                    run=_in_this_process(keras_argv, "keras"))["examples_per_s"]
             rate = result["examples_per_s"]
             base.setdefault(ps, rate / workers)
             row = {"workers": workers, "ps": ps, "examples_per_s": rate,
                    "efficiency": rate / (workers * base[ps]),
+                   "keras_threads": workers, "keras_examples_per_s": keras[workers],
+                   "kfit_ps/keras": rate / keras[workers],
                    "processes": workers + ps + 1, "bounded_by_cores": workers + ps + 1 > cores}
             rows.append(row)
             shape = f"{workers} worker{'s' if workers > 1 else ''} + {ps} ps"
             print(f"{shape}: {rate:,.0f} examples/s, efficiency "
-                  f"{row['efficiency']:.2f}"
+                  f"{row['efficiency']:.2f}; Keras 3 with {workers} thread"
+                  f"{'s' if workers > 1 else ''}: {keras[workers]:,.0f} examples/s, "
+                  f"kfit_ps/Keras 3 {row['kfit_ps/keras']:.2f}"
                   + (f" (bounded by the {cores} cores: {row['processes']} processes)"
                      if row["bounded_by_cores"] else ""), flush=True)
     if any(r["bounded_by_cores"] for r in rows):

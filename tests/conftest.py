@@ -89,12 +89,16 @@ def children_reaped():
 # The order test files start in (pyproject's addopts turn xdist's own reordering off): the fault
 # matrix first, a single test of about 7 minutes that no other worker can share (xdist's order,
 # the files with the most tests first, started it last, and the suite ended on it alone for
-# minutes), then the files with the most tests first, as xdist orders them (the longest files
-# first measured slower: two heavy files at once).
-FIRST = ("tests/test_fault_matrix.py",)
+# minutes), then the other files of a few long tests (in the most-tests-first order they came
+# last, and one worker ended the suite on them alone for about 100 s), then the files with the
+# most tests first, as xdist orders them (the longest files first measured slower: two heavy
+# files at once).
+FIRST = ("tests/test_fault_matrix.py", "tests/test_multi_host.py", "tests/test_ps_recovery.py",
+         "tests/test_keras_scripts.py")
 
 
 def pytest_collection_modifyitems(items):
     path = lambda item: item.nodeid.split("::", 1)[0]  # noqa: E731
     tests_in = collections.Counter(path(item) for item in items)
-    items.sort(key=lambda item: (path(item) not in FIRST, -tests_in[path(item)]))
+    first = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: (first.get(path(item), len(FIRST)), -tests_in[path(item)]))

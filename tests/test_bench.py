@@ -11,6 +11,7 @@ the script's own process instead of a fresh one each (the others still start the
 import concurrent.futures
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,8 +39,10 @@ SCRIPTS = {
     "embedding_scaling": (["bench/embedding_scaling.py", "--small-rows", "2000", "--large-rows",
                            "40000", "--dim", "8", "--batch-size", "64", "--steps", "10", "--json",
                            "{out}/embedding_scaling.json"], 900),
+    # One worker (the main job's tests train its model on two): tables still sharded over 2 ps.
     "dlrm_throughput": (["bench/dlrm_throughput.py", "--repeats", "1", "--steps", "10", "--rows",
-                         "3000", "--json", "{out}/dlrm.json", "--png", "{out}/dlrm.png"], 900),
+                         "3000", "--workers", "1", "--json", "{out}/dlrm.json", "--png",
+                         "{out}/dlrm.png"], 900),
     "fit_phases": (["bench/fit_phases.py", "--fits", "2", "--steps", "10", "--rows", "3000",
                     *ONE_STEP, "--json", "{out}/fit_phases.json"], 600),
     "exact_evaluation": (["bench/exact_evaluation.py", "--repeats", "1", "--rows", "5000",
@@ -268,6 +271,9 @@ def test_long_run_and_scaling_report(scripts):
     rows = scripts.json("scaling.json")["rows"]
     assert [(r["workers"], r["ps"]) for r in rows] == [(1, 1), (2, 1)]
     assert rows[0]["efficiency"] == 1.0
+    # Each worker count beside single-process Keras 3 with as many threads.
+    assert [r["keras_threads"] for r in rows] == [1, 2]
+    assert all(r["keras_examples_per_s"] > 0 and r["kfit_ps/keras"] > 0 for r in rows), rows
     with open(os.path.join(scripts.out, "scaling.png"), "rb") as f:
         assert f.read(4) == b"\x89PNG"
 
@@ -300,3 +306,65 @@ def test_dynamic_embeddings_parts_need_a_json_path_each():
     assert proc.returncode == 2, proc.stderr
     assert "--json: received 'dynamic.json' for 2 parts" in proc.stderr
     assert "put {part} in the path" in proc.stderr
+
+
+def test_device_parts_travel_one_call_each_and_install_once_all_are_there(tmp_path):
+    """bench/device: the wheels packed in parts here (`wheels.sh`, given stand-in wheels), each
+    part carried by a call of its own to one machine (`receive.sh` in a checkout holding only
+    that part), installed once the last arrives; a damaged part is refused."""
+    import zipfile
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    noise = os.urandom(150_000)  # incompressible: the wheel spans several 64 KiB parts
+    with zipfile.ZipFile(wheels / "kfit_ps_probe-0.1-py3-none-any.whl", "w") as whl:
+        whl.writestr("kfit_ps_probe.py", "VALUE = 42\n")
+        whl.writestr("kfit_ps_probe_noise.bin", noise)
+        info = "kfit_ps_probe-0.1.dist-info/"
+        whl.writestr(info + "METADATA", "Metadata-Version: 2.1\nName: kfit-ps-probe\n"
+                     "Version: 0.1\n")
+        whl.writestr(info + "WHEEL", "Wheel-Version: 1.0\nGenerator: test\n"
+                     "Root-Is-Purelib: true\nTag: py3-none-any\n")
+        whl.writestr(info + "RECORD", "")
+
+    def checkout(name):  # a copy of the scripts, as a call's working tree has them
+        root = tmp_path / name
+        (root / "bench").mkdir(parents=True)
+        shutil.copytree(os.path.join(helpers.ROOT, "bench", "device"), root / "bench" / "device")
+        return root
+
+    here = checkout("here")
+    env = dict(os.environ, WHEELS_FROM=str(wheels), PART_SIZE="64K",
+               KFIT_PS_DEVICE_DIR=str(tmp_path / "device"))
+    packed = subprocess.run(["bench/device/wheels.sh"], cwd=here, env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert packed.returncode == 0, packed.stderr
+    parts = sorted(p.name for p in (here / ".whl").glob("part??"))
+    assert parts == ["part00", "part01", "part02"], packed.stdout
+    assert f"{len(parts)} parts in .whl" in packed.stdout
+
+    def carry(part, damage=False):
+        call = checkout(f"call-{part}-{damage}")
+        (call / ".whl").mkdir()
+        shutil.copy(here / ".whl" / "parts.sha256", call / ".whl")
+        data = (here / ".whl" / part).read_bytes()
+        (call / ".whl" / part).write_bytes(data[:-1] + bytes([data[-1] ^ 1]) if damage else data)
+        return subprocess.run(["bench/device/receive.sh"], cwd=call, env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    damaged = carry("part01", damage=True)
+    assert damaged.returncode == 1 and "part01 does not match" in damaged.stderr
+    first = carry("part00")
+    assert first.returncode == 0, first.stderr
+    assert "holding 1 of 3 parts; still to carry: part01 part02" in first.stdout
+    assert not (tmp_path / "device" / "site").exists()
+    carry("part02")
+    last = carry("part01")
+    assert last.returncode == 0, last.stderr
+    assert "every part received; the wheels are installed" in last.stdout
+    site = tmp_path / "device" / "site"
+    probe = subprocess.run([sys.executable, "-c", "import kfit_ps_probe as p; print(p.VALUE)"],
+                           env=dict(os.environ, PYTHONPATH=str(site)), capture_output=True,
+                           text=True, timeout=60)
+    assert probe.stdout.strip() == "42", probe.stderr
+    assert (site / "kfit_ps_probe_noise.bin").read_bytes() == noise

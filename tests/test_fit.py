@@ -338,7 +338,7 @@ def test_class_weight_and_validation_split_as_keras_means_them(strategy):
 
 
 def test_a_long_window_keeps_no_finished_functions_results(strategy, monkeypatch):
-    """2,000 steps with no synchronisation in between: the chief holds the results not yet
+    """1,200 steps with no synchronisation in between: the chief holds the results not yet
     folded (at most KFIT_PS_METRIC_RESULTS_PENDING, here 64) and those of the functions in
     flight, not of every function the window scheduled (it held all of them, ~13 KB a step
     with an AUC metric, until the window's end)."""
@@ -352,12 +352,12 @@ def test_a_long_window_keeps_no_finished_functions_results(strategy, monkeypatch
 
     class Count(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            if batch == 1500:
+            if batch == 1000:
                 gc.collect()
                 live.append(sum(isinstance(o, remote_value.RemoteValue)
                                 for o in gc.get_objects()))
 
     model = compiled_model(strategy)
     model.fit(kfit_ps.DatasetCreator(helpers.regression_dataset_fn()), epochs=1,
-              steps_per_epoch=2000, verbose=0, callbacks=[Count()])
+              steps_per_epoch=1200, verbose=0, callbacks=[Count()])
     assert live and live[0] < 700, live

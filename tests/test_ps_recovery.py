@@ -11,7 +11,7 @@ from tests.test_launcher import Job
 from tests.test_observability import read_events
 
 ROWS = 2 * 1024 * 1024  # x 64 float32 = a 512 MiB table, sharded over the 2 ps tasks
-STEPS, KILL_AT = 300, 150
+STEPS, KILL_AT = 200, 150
 
 # Trains STEPS steps with a backup every 100; at step KILL_AT (a synchronisation: no step in
 # flight) a callback hashes every variable of ps:0, then SIGKILLs ps:1. The in-place recovery
@@ -60,7 +60,7 @@ TABLE = textwrap.dedent(f"""
         y = tf.cast(tf.reduce_sum(ids % 5, axis=1, keepdims=True), tf.float32) / 10.0
         return tf.data.Dataset.from_tensor_slices((ids, y)).repeat().batch(64)
 
-    history = model.fit(kfit_ps.DatasetCreator(data), epochs=3, steps_per_epoch=100, verbose=0,
+    history = model.fit(kfit_ps.DatasetCreator(data), epochs=2, steps_per_epoch=100, verbose=0,
                         callbacks=[KillPs1()])
     print("RESULT " + json.dumps({{"iterations": int(model.optimizer.iterations.numpy()),
                                   "batches": history.history["batches"][-1],

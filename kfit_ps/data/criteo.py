@@ -120,7 +120,7 @@ def generate(directory, rows, spec=CriteoSpec(), files=1, seed=0, zipf_a=1.2,
     hashed = (ids * 2654435761 + np.arange(NUM_CATEGORICAL) * 40503) % (1 << 32)
     dense_text = counts.astype(str)
     dense_text[rng.random(counts.shape) < missing] = ""
-    cat_text = np.char.mod("%d", ids) if raw_ids else np.char.mod("%08x", hashed)
+    cat_text = ids.astype(str) if raw_ids else _hex8(hashed)
     cat_text[rng.random(ids.shape) < missing] = ""
     table = np.concatenate([labels[:, None].astype(str), dense_text, cat_text], axis=1)
     paths = []
@@ -136,6 +136,16 @@ def generate(directory, rows, spec=CriteoSpec(), files=1, seed=0, zipf_a=1.2,
                 f.write("\n")
         paths.append(path)
     return paths
+
+
+_HEX_DIGITS = np.frombuffer(b"0123456789abcdef", np.uint8)
+
+
+def _hex8(values):
+    """`np.char.mod("%08x", values)` for values below 2**32, a third of its time."""
+    nibbles = (values[..., None] >> np.arange(28, -1, -4)) & 0xF
+    return (np.frombuffer(_HEX_DIGITS[nibbles].tobytes(), dtype="S8")
+            .reshape(values.shape).astype("U8"))
 
 
 def _example(row, raw_ids):
