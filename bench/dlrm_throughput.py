@@ -187,11 +187,13 @@ def run_child(args):
     paths = sorted(os.path.join(args.data_dir, f) for f in os.listdir(args.data_dir))
     report = {}
     if args.child == "keras":
-        if args.threads:  # as many threads as a cluster has workers (`bench/scaling.py`)
+        if args.threads:  # as many cores and threads as a cluster has workers (scaling.py)
             import tensorflow as tf
 
+            os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.threads])
             tf.config.threading.set_intra_op_parallelism_threads(args.threads)
             tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+        report["cores"] = len(os.sched_getaffinity(0))  # tf.data's threads: one per core
         model, data = make_keras(paths, args)
         timed_fit(model, data, WARMUP_STEPS)
         seconds = timed_fit(model, data, args.steps)
@@ -228,8 +230,8 @@ def add_arguments(parser):
                         help="Criteo cardinalities x this (the main job's 1e-3)")
     parser.add_argument("--rows", type=int, default=200_000, help="examples written")
     parser.add_argument("--threads", type=int, default=0,
-                        help="the keras contender's intra- and inter-op threads (0: "
-                             "TensorFlow's default, one per core)")
+                        help="the keras contender on this many cores, with as many intra- "
+                             "and inter-op threads (0: every core)")
     parser.add_argument("--data-dir", default=None, help=argparse.SUPPRESS)
 
 

@@ -82,18 +82,35 @@ def timed_fit(model, data, epochs, steps):
     return epochs * steps / (time.perf_counter() - start)
 
 
+def _cpu_seconds(cluster, args):
+    """User + system CPU seconds of this process (the chief) and of each server process."""
+    import psutil
+
+    processes = {"chief": psutil.Process()}
+    for kind, count in (("worker", args.workers), ("ps", args.ps)):
+        processes.update({f"{kind}:{i}": psutil.Process(cluster.pid(kind, i))
+                          for i in range(count)})
+    return {name: sum(p.cpu_times()[:2]) for name, p in processes.items()}
+
+
 def run_child(args):
-    """One measurement in this process; prints its steps/s and final iterations."""
+    """One measurement in this process; reports its steps/s, final iterations and the CPU ms
+    per step of the chief, the workers and the ps tasks over the timed `fit`."""
     import kfit_ps
 
     make = {"kfit_ps": make_kfit, "tf_keras": make_tf_keras}[args.child]
     with kfit_ps.LocalCluster(num_workers=args.workers, num_ps=args.ps) as cluster:
         model, data = make(cluster, args)
         timed_fit(model, data, 1, 20)  # warm-up: tracing, datasets, first steps
+        before = _cpu_seconds(cluster, args)
         rate = timed_fit(model, data, args.epochs, args.steps)
+        after = _cpu_seconds(cluster, args)
         iterations = int(model.optimizer.iterations.numpy())
         del model, data
-    child_process.report({"steps_per_s": rate, "iterations": iterations})
+    steps = args.epochs * args.steps
+    cpu = {name: 1000 * (after[name] - before[name]) / steps for name in before}
+    child_process.report({"steps_per_s": rate, "iterations": iterations,
+                          "cpu_ms_per_step": cpu})
 
 
 def measure(child, argv):
@@ -119,12 +136,14 @@ def main(argv=None):
 
     rates = {name: [] for name in CONTENDERS}
     iterations = {name: [] for name in CONTENDERS}
+    cpu = {name: [] for name in CONTENDERS}
     for repeat in range(args.repeats):
         order = CONTENDERS if repeat % 2 == 0 else tuple(reversed(CONTENDERS))
         for name in order:
             result = measure(name, argv)
             rates[name].append(result["steps_per_s"])
             iterations[name].append(result["iterations"])
+            cpu[name].append(result["cpu_ms_per_step"])
         print(f"repeat {repeat + 1}/{args.repeats}: "
               + ", ".join(f"{n} {rates[n][-1]:.1f} steps/s" for n in CONTENDERS), flush=True)
     ratios = [k / t for k, t in zip(rates["kfit_ps"], rates["tf_keras"])]
@@ -136,11 +155,17 @@ def main(argv=None):
         "median_ratio": statistics.median(ratios),
         "expected_iterations": expected,
         "iterations": iterations,
+        # CPU ms per step by process (chief, worker:i, ps:i), medians over the repeats.
+        "cpu_ms_per_step": {n: {task: statistics.median(r[task] for r in runs)
+                                for task in runs[0]} for n, runs in cpu.items()},
     }
     print(f"kfit_ps {result['steps_per_s']['kfit_ps']:.1f} steps/s, tf_keras "
           f"{result['steps_per_s']['tf_keras']:.1f} steps/s (medians); ratio kfit_ps/tf_keras: "
           f"median {result['median_ratio']:.3f}, per repeat "
           f"{', '.join(f'{r:.3f}' for r in ratios)}")
+    for name, tasks in result["cpu_ms_per_step"].items():
+        print(f"{name} CPU ms per step (medians): {sum(tasks.values()):.2f} in all; "
+              + ", ".join(f"{task} {ms:.2f}" for task, ms in tasks.items()))
     exact = {n: all(i == expected for i in its) for n, its in iterations.items()}
     print(f"optimizer.iterations == {expected} after every run: {exact}")
     child_process.write_json(args.json, result)

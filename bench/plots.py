@@ -28,7 +28,7 @@ def bar_chart(path, values, title, ylabel):
 
 def scaling_chart(path, rows, title):
     """`rows`: dicts with workers, ps, examples_per_s, efficiency; one line per ps count, and
-    single-process Keras 3 with as many threads as workers (keras_examples_per_s) dashed."""
+    single-process Keras 3 on as many cores as workers (keras_examples_per_s) dashed."""
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
     for ps in sorted({r["ps"] for r in rows}):
@@ -40,7 +40,7 @@ def scaling_chart(path, rows, title):
                     if "keras_examples_per_s" in r})
     if keras:
         left.plot(*zip(*keras), linestyle="--", color="gray", marker="x",
-                  label="Keras 3, one process,\nas many threads")
+                  label="Keras 3, one process,\nas many cores")
     left.set_xlabel("workers")
     left.set_ylabel("examples/s")
     right.set_xlabel("workers")

@@ -7,12 +7,14 @@ per worker step, `--steps` timed steps after a warm-up) on a `LocalCluster`
 of that shape on this machine. Efficiency = examples/s / (workers x the
 examples/s of 1 worker with the same ps count); 1.0 is linear scaling.
 Beside each worker count, single-process Keras 3 (`dlrm_throughput.py`'s
-`keras` contender) trains the same model and data with as many intra- and
-inter-op threads as there are workers (`--threads`), in a fresh process once per
-worker count: what the same cores give without distribution. (With
+`keras` contender) trains the same model and data on as many cores as there are
+workers, with as many intra- and inter-op threads (`--threads`: the process'
+CPU affinity, which also sizes tf.data's threads), in a fresh process once per
+worker count: what as many cores give without distribution. (With
 `KFIT_PS_BENCH_ONE_PROCESS=1`, `child_process`, the first configuration and the
-Keras 3 runs share this process, with its threads; the other configurations
-need clusters of other shapes.)
+Keras 3 runs share this process, and Keras 3 runs on all its cores, which its
+rows say; the other configurations need clusters of other shapes.) The JSON is
+written after each configuration.
 
 Every process of a configuration shares this machine's cores, so a figure
 is bounded by the cores once workers + ps + 1 exceed them (the script says
@@ -79,22 +81,26 @@ def main(argv=None):
                 keras_argv = ["--threads", str(workers), *common]
                 keras[workers] = child_process.measure(
                     script, "keras", keras_argv, timeout=3600,
-                    run=_in_this_process(keras_argv, "keras"))["examples_per_s"]
+                    run=_in_this_process(keras_argv, "keras"))
             rate = result["examples_per_s"]
             base.setdefault(ps, rate / workers)
             row = {"workers": workers, "ps": ps, "examples_per_s": rate,
                    "efficiency": rate / (workers * base[ps]),
-                   "keras_threads": workers, "keras_examples_per_s": keras[workers],
-                   "kfit_ps/keras": rate / keras[workers],
+                   "keras_cores": keras[workers]["cores"],
+                   "keras_examples_per_s": keras[workers]["examples_per_s"],
+                   "kfit_ps/keras": rate / keras[workers]["examples_per_s"],
                    "processes": workers + ps + 1, "bounded_by_cores": workers + ps + 1 > cores}
             rows.append(row)
             shape = f"{workers} worker{'s' if workers > 1 else ''} + {ps} ps"
             print(f"{shape}: {rate:,.0f} examples/s, efficiency "
-                  f"{row['efficiency']:.2f}; Keras 3 with {workers} thread"
-                  f"{'s' if workers > 1 else ''}: {keras[workers]:,.0f} examples/s, "
+                  f"{row['efficiency']:.2f}; Keras 3 on {row['keras_cores']} core"
+                  f"{'s' if row['keras_cores'] > 1 else ''}: "
+                  f"{row['keras_examples_per_s']:,.0f} examples/s, "
                   f"kfit_ps/Keras 3 {row['kfit_ps/keras']:.2f}"
                   + (f" (bounded by the {cores} cores: {row['processes']} processes)"
                      if row["bounded_by_cores"] else ""), flush=True)
+            child_process.write_json(args.json, {"cores": cores, "config": vars(args),
+                                                 "rows": rows})
     if any(r["bounded_by_cores"] for r in rows):
         print(f"note: this machine has {cores} cores; figures marked above share them and "
               "measure the machine, not the scaling. Run on a machine with at least "
@@ -102,7 +108,6 @@ def main(argv=None):
     if args.png:
         plots.scaling_chart(args.png, rows, f"kfit_ps DLRM scaling ({cores} cores, batch "
                             f"{args.batch_size}/worker step)")
-    child_process.write_json(args.json, {"cores": cores, "config": vars(args), "rows": rows})
     return rows
 
 

@@ -407,8 +407,8 @@ def test_every_wait_of_the_chief_is_bounded_by_the_worker_timeout():
         result = helpers.run_chief(code, timeout=180)
         return phase, delay, result["raised"], result.get("seconds")
 
-    # Two jobs at a time: each mostly waits out its timeout (the bound below allows 30 s).
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    # Three jobs at a time: each mostly waits out its timeout (the bound below allows 30 s).
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
         outcomes = list(pool.map(trial, trials))
     for phase, delay, raised, seconds in outcomes:
         assert raised == "WorkersLostError", outcomes

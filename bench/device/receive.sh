@@ -11,6 +11,9 @@ if [ ! -f "$manifest" ]; then
     echo "receive.sh: no $manifest: carry .whl/parts.sha256 in every call" >&2
     exit 2
 fi
+if ! cmp -s "$manifest" "$state/parts.sha256"; then  # other wheels: what is held goes
+    rm -rf "$state/parts" "$state/wheels" "$state/site"
+fi
 mkdir -p "$state/parts"
 cp "$manifest" "$state/parts.sha256"
 for part in .whl/part??; do
@@ -28,6 +31,7 @@ if [ -n "$missing" ]; then
 fi
 if [ ! -e "$state/site/.installed" ]; then
     rm -rf "$state/wheels" "$state/site"
+    (cd "$state/parts" && sha256sum --quiet -c ../parts.sha256)
     (cd "$state/parts" && cat $wanted) | tar -C "$state" -xf -
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --target "$state/site" "$state"/wheels/*.whl

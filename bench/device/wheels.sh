@@ -14,9 +14,7 @@ PART_SIZE=${PART_SIZE:-56M}  # a call carries 64 MiB with the working tree (abou
 PACKAGES=(tensorflow-cpu==2.21.0 keras==3.15.1 namex==0.1.0 optree==0.20.0
           numpy==2.4.6 ml_dtypes==0.7.0 protobuf==7.36.2 h5py==3.14.0 flatbuffers==25.12.19
           astunparse==1.6.3 gast==0.7.0 google-pasta==0.2.0 termcolor==3.3.0)
-out=.whl
-mkdir -p .git/info
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+out=.whl  # .gitignore lists it
 rm -rf "$out" && mkdir -p "$out/wheels"
 if [ -n "${WHEELS_FROM:-}" ]; then
     cp "$WHEELS_FROM"/*.whl "$out/wheels/"
