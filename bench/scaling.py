@@ -25,7 +25,8 @@ workers + ps + 2 cores for the largest configuration (8 workers + 4 ps:
     python bench/scaling.py --workers 1,2,4,8 --ps 1,2,4 --png scaling.png
     python bench/scaling.py --workers 1,2 --ps 1,2 --steps 300    # on 2 cores
 
-On a lent 16-core device machine, in one call: `bench/device/README.md`.
+On a lent 16-core device machine (the sweep in one call, once the wheels have travelled there
+in parts, one call each): `bench/device/README.md`.
 """
 
 import argparse
