@@ -123,6 +123,13 @@ def run_if_child(args, run_child):
         os._exit(0)
 
 
+def cpu_seconds(pid):
+    """User + system CPU seconds of process `pid` so far (`/proc/PID/stat`)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def write_json(path, result):
     """Writes `result` to `path` when the script was given `--json`."""
     if path:

@@ -141,13 +141,7 @@ def make_kfit_dynamic(strategy, paths, args):
 
 
 def _ps_cpu_seconds(cluster, num_ps):
-    import psutil
-
-    total = 0.0
-    for i in range(num_ps):
-        times = psutil.Process(cluster.pid("ps", i)).cpu_times()
-        total += times.user + times.system
-    return total
+    return sum(child_process.cpu_seconds(cluster.pid("ps", i)) for i in range(num_ps))
 
 
 def make_tf_keras(cluster, paths, args):

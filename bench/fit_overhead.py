@@ -84,13 +84,10 @@ def timed_fit(model, data, epochs, steps):
 
 def _cpu_seconds(cluster, args):
     """User + system CPU seconds of this process (the chief) and of each server process."""
-    import psutil
-
-    processes = {"chief": psutil.Process()}
+    pids = {"chief": os.getpid()}
     for kind, count in (("worker", args.workers), ("ps", args.ps)):
-        processes.update({f"{kind}:{i}": psutil.Process(cluster.pid(kind, i))
-                          for i in range(count)})
-    return {name: sum(p.cpu_times()[:2]) for name, p in processes.items()}
+        pids.update({f"{kind}:{i}": cluster.pid(kind, i) for i in range(count)})
+    return {name: child_process.cpu_seconds(pid) for name, pid in pids.items()}
 
 
 def run_child(args):

@@ -91,13 +91,6 @@ def kind_of(frames):
     return next(kind for kind, regex in USER_KINDS if regex.search(line))
 
 
-def _cpu_seconds(pid):
-    """user + system seconds of `pid` so far (`/proc/PID/stat`)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 _FRAME = re.compile(r"\s*[0-9a-f]+ (.*?)(?:\+0x[0-9a-f]+)? \(([^()]*)\)$")
 
 
@@ -172,9 +165,9 @@ class PerfRecord:
 
 
 def _timed(model, data, steps, pids):
-    cpu = {name: _cpu_seconds(pid) for name, pid in pids.items()}
+    cpu = {name: child_process.cpu_seconds(pid) for name, pid in pids.items()}
     seconds = dlrm_throughput.timed_fit(model, data, steps)
-    cpu = {name: 1000 * (_cpu_seconds(pid) - cpu[name]) / steps for name, pid in pids.items()}
+    cpu = {name: 1000 * (child_process.cpu_seconds(pid) - cpu[name]) / steps for name, pid in pids.items()}
     return seconds, cpu
 
 
