@@ -43,7 +43,10 @@ from kfit_ps._tf_compat.datasets import (external_state, shard_dataset, shard_po
 from kfit_ps._tf_compat.dataset_graph import Unserializable, on_this_context
 from kfit_ps._tf_compat.fused_adam import apply_adam, can_fuse as can_fuse_adam
 from kfit_ps._tf_compat.keras_sharding import (
+    embedding_inputs,
+    embedding_table,
     install_sharding_support,
+    standardized_inputs,
     shards,
     sharded_storage,
     variable_partitioner,
@@ -53,6 +56,7 @@ from kfit_ps._tf_compat.keras_trainer import (
     flatten_metrics_in_order,
     improvement_test,
     print_msg,
+    has_stock_step,
     has_stock_train_step,
     install_load_weights_hook,
     optimizer_scalars,
@@ -94,8 +98,12 @@ __all__ = [
     "improvement_test",
     "print_msg",
     "flatten_metrics_in_order",
+    "has_stock_step",
     "has_stock_train_step",
+    "embedding_inputs",
+    "embedding_table",
     "install_sharding_support",
+    "standardized_inputs",
     "optimizer_slots",
     "critical_section",
     "class_weight_map_fn",

@@ -28,7 +28,10 @@ under a kfit_ps scope only:
    does) would concatenate every shard each step. Here it becomes one gather
    per shard, on that shard's ps task, so only the touched rows travel
    (unless the active `CachedReadScope` holds the whole value: then the
-   gather runs on the worker).
+   gather runs on the worker). In a step the rows of the batch's ids may
+   already have been fetched with the step's packed transfer
+   (`embedding_inputs`, `CachedReadScope.fetched_lookup`): a lookup of
+   those very ids then gathers from them on the worker.
 
 5. **Dense optimizer updates and weight decay.** For optimizers without a
    sparse path (`kfit_ps.training.step.sharded_updates`), the Keras optimizer's
@@ -51,6 +54,7 @@ import functools
 import threading
 
 import tensorflow as tf
+from keras.src.backend.common.stateless_scope import get_stateless_scope
 from keras.src.backend.common.variables import Variable as KerasVariable
 from keras.src.backend.tensorflow import core as _tf_core
 from keras.src.backend.tensorflow import numpy as _tf_numpy
@@ -59,7 +63,7 @@ from keras.src.optimizers import base_optimizer as _base_optimizer
 from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
 from kfit_ps._tf_compat.keras_variables import is_kfit_variable, mark_kfit_variable, storage
-from kfit_ps._tf_compat.read_cache import cached_read
+from kfit_ps._tf_compat.read_cache import CachedReadScope, cached_read
 from kfit_ps._tf_compat.sharded_init import shard_value
 from kfit_ps._tf_compat.versions import check_versions
 
@@ -169,6 +173,11 @@ def _take(stock):
         if (sharded is None or axis != 0 or isinstance(indices, tf.SparseTensor)
                 or cached_read(x)):  # A whole value already on this worker.
             return stock(x, indices, axis=axis)
+        scope = get_stateless_scope()
+        fetched = (scope.fetched_lookup(x, indices) if isinstance(scope, CachedReadScope)
+                   else None)
+        if fetched is not None:
+            return fetched
         ids = tf.convert_to_tensor(indices)
         if not ids.dtype.is_integer:
             ids = tf.cast(ids, "int64")
@@ -178,6 +187,50 @@ def _take(stock):
 
     take._kfit_ps_stock = stock
     return take
+
+
+def embedding_inputs(model):
+    """[(index in the model's flat inputs, layer)] of a Keras 3.15 functional model's
+    `keras.layers.Embedding` layers (exactly that class, without LoRA or quantization)
+    whose table is sharded and that the model calls once, on one of its own inputs.
+
+    Such a layer's lookup ids are known before the forward pass runs
+    (`standardized_inputs`), so a training step can fetch their rows with its
+    other reads; anything else keeps its lookup in the forward pass.
+    """
+    import keras
+    from keras.src.models.functional import Functional
+
+    check_versions()
+    if not isinstance(model, Functional) or type(model).call is not Functional.call:
+        return []  # A model's own `call` may call its layers on anything.
+    inputs = list(model.inputs)
+    found = []
+    for layer in model.layers:
+        if (type(layer) is not keras.layers.Embedding or layer.lora_enabled
+                or layer.quantization_mode is not None or not layer.built
+                or sharded_storage(layer._embeddings) is None):
+            continue
+        nodes = layer._inbound_nodes
+        if len(nodes) != 1 or nodes[0].arguments.kwargs or len(nodes[0].arguments.args) != 1:
+            continue
+        source = nodes[0].arguments.args[0]
+        index = next((i for i, t in enumerate(inputs) if t is source), None)
+        if index is not None:
+            found.append((index, layer))
+    return found
+
+
+def standardized_inputs(model, x):
+    """The flat input tensors Keras 3.15's functional `model(x)` hands its layers."""
+    check_versions()
+    return model._standardize_inputs(x)
+
+
+def embedding_table(layer):
+    """The Keras variable Keras 3.15's `keras.layers.Embedding.call` looks up."""
+    check_versions()
+    return layer._embeddings
 
 
 def _array(stock):

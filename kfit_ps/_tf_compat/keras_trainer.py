@@ -129,7 +129,13 @@ def stock_method(name):
 
 def has_stock_train_step(model):
     """Whether `model` uses Keras' own TensorFlow `train_step` (not overridden)."""
-    return type(model).train_step is _tf_trainer.TensorFlowTrainer.train_step
+    return has_stock_step(model, "train_step")
+
+
+def has_stock_step(model, name):
+    """Whether `model`'s `name` (`train_step`, `test_step`, `predict_step`) is Keras' own
+    TensorFlow step (not overridden)."""
+    return getattr(type(model), name) is getattr(_tf_trainer.TensorFlowTrainer, name)
 
 
 def sublayers(model):
@@ -137,7 +143,7 @@ def sublayers(model):
     return list(model._flatten_layers(include_self=False))
 
 
-def train_step_with(model, data, apply_gradients, cached=(), watcher=None):
+def train_step_with(model, data, apply_gradients, cached=(), watcher=None, fetched=None):
     """Keras 3.15's TensorFlow `train_step`, with the gradient step supplied.
 
     `apply_gradients(tape, loss)` computes and applies the gradients; the rest
@@ -148,14 +154,21 @@ def train_step_with(model, data, apply_gradients, cached=(), watcher=None):
     trainable ones, so gradients are taken with respect to those tensors.
     `watcher` (optional): its `set_tape(tape)` is called as the tape opens
     (dynamic embeddings watch the rows they read on it), and the gradient
-    step also runs when its `lookups` are not empty.
+    step also runs when its `lookups` are not empty. `fetched` (optional): the
+    step's rows of sharded tables fetched for the batch's ids; the tape
+    watches its `rows` and the forward pass's lookups use its `lookups`
+    (`CachedReadScope`).
     """
     x, y, sample_weight = data_adapters.data_adapter_utils.unpack_x_y_sample_weight(data)
     with tf.GradientTape() as tape:
         if watcher is not None:
             watcher.set_tape(tape)
         tape.watch([value for variable, value in cached if variable.trainable])
-        with CachedReadScope(cached) if cached else contextlib.nullcontext():
+        lookups = fetched.lookups if fetched is not None else None
+        if lookups:
+            tape.watch(fetched.rows)
+        with (CachedReadScope(cached, lookups) if cached or lookups
+              else contextlib.nullcontext()):
             if model._call_has_training_arg:
                 y_pred = model(x, training=True)
             else:

@@ -7,7 +7,11 @@ model's small variables in one packed transfer per ps
 `CachedReadScope`: Keras' `Variable.value` then returns the fetched tensor.
 A sharded variable's cached value is its whole value (a sharded evaluation's
 snapshot), and `ops.take` on it gathers from that value on the worker
-(`keras_sharding`). Writes (batch-norm statistics, seed state) still go to
+(`keras_sharding`). A training step may also hand it the rows of sharded
+tables it fetched for the batch's ids (`lookups`): an `ops.take` of such a
+table with those very ids then gathers from those rows on the worker
+(`keras_sharding`).
+Writes (batch-norm statistics, seed state) still go to
 the variable's real storage, and later reads in the same scope see the
 written value.
 
@@ -25,9 +29,11 @@ from kfit_ps._tf_compat.metric_scope import LocalStateScope
 class CachedReadScope(LocalStateScope):
     """Reads of the variables in `cache` ((variable, tensor) pairs) return those tensors."""
 
-    def __init__(self, cache):
+    def __init__(self, cache, lookups=None):
         super().__init__([])
         self._cache = {id(variable): value for variable, value in cache}
+        # id(variable) -> fn(ids) -> rows, or None for ids it has no rows for.
+        self._lookups = dict(lookups or {})
         self._parent = None
 
     def __enter__(self):
@@ -41,6 +47,12 @@ class CachedReadScope(LocalStateScope):
     def caches(self, variable):
         """Whether reads of `variable` come from this scope's values."""
         return id(variable) in self._cache
+
+    def fetched_lookup(self, variable, ids):
+        """The rows of `ids` in `variable` from the rows the step fetched for those very ids,
+        or None: any other lookup reads the table itself."""
+        lookup = self._lookups.get(id(variable))
+        return lookup(ids) if lookup is not None else None
 
     def is_local(self, variable):
         return self._parent is not None and self._parent.is_local(variable)

@@ -22,7 +22,7 @@ previous step's writes to it.
 import tensorflow as tf
 
 from kfit_ps import _tf_compat, constants, embeddings
-from kfit_ps.training.step import sharded_updates, transfers
+from kfit_ps.training.step import fetched_lookups, sharded_updates, transfers
 from kfit_ps.training.step.metric_state import MetricState
 
 MAX_UNROLLED_STEPS = 10
@@ -71,11 +71,16 @@ class ScheduledFunctions:
                                       + _tf_compat.optimizer_scalars(model.optimizer))
 
         def step(data):
-            cached = reads.read()
+            # Sharded tables' rows for the batch's ids come with the packed reads.
+            fetched = fetched_lookups.FetchedRows(
+                model, fetched_lookups.fetched_tables(model), data)
+            cached, rows = reads.read_and_gather(fetched.gathers)
+            fetched.arrived(rows)
             with embeddings.recording.Recorder() as recorder:  # Dynamic tables' lookups.
                 return _tf_compat.train_step_with(
-                    model, data, sharded_updates.GradientStep(model, cached, recorder.lookups),
-                    cached, watcher=recorder)
+                    model, data,
+                    sharded_updates.GradientStep(model, cached, recorder.lookups, fetched),
+                    cached, watcher=recorder, fetched=fetched)
 
         return step
 
@@ -85,11 +90,21 @@ class ScheduledFunctions:
         `snapshot`: a `PackedReads` whose values the caller read once (`run(data,
         snapshot_values)`); the variables it holds are not read again per call.
         """
-        held = {id(v) for v in snapshot.variables} if snapshot is not None else set()
-        reads = transfers.PackedReads([v for v in self._model.variables if id(v) not in held])
+        model = self._model
+        held = snapshot.variables if snapshot is not None else []
+        reads = transfers.PackedReads([v for v in model.variables
+                                       if not any(v is h for h in held)])
+        # Keras' own step calls the model on the batch's inputs; a user's may not.
+        stock = _tf_compat.has_stock_step(model, step.__name__)
 
         def run(data, snapshot_values=()):
-            with _tf_compat.CachedReadScope(list(snapshot_values) + reads.read()):
+            # Sharded tables' rows for the batch's ids come with the packed reads.
+            fetched = fetched_lookups.FetchedRows(
+                model, fetched_lookups.fetched_tables(model, training=False, held=held)
+                if stock else [], data)
+            values, rows = reads.read_and_gather(fetched.gathers)
+            fetched.arrived(rows)
+            with _tf_compat.CachedReadScope(list(snapshot_values) + values, fetched.lookups):
                 return step(data)
 
         return run

@@ -7,6 +7,9 @@ that step (`_tf_compat.train_step_with`). It takes the step's gradients and:
   (`transfers.Outbox`; the forward pass read the model's small variables in
   one packed transfer per ps, `transfers.PackedReads`), with this step's
   learning rate and step number;
+- takes the gradient of a sharded table whose rows the step fetched before
+  its forward pass (`fetched_lookups`) with respect to those rows: one
+  summed row per unique id, joined with any other lookup's rows of the table;
 - hands each sparse table to its updater (`sparse_updaters`): a sharded
   variable whose optimizer has a sparse update (`SGD`, `Adagrad`, `Adam`,
   `AdamW`) and every `DynamicEmbedding` table. Updaters update the touched
@@ -45,6 +48,18 @@ def check_optimizer(model):
     sparse_optimizer.check_optimizer(model.optimizer, f"Model {model.name!r}")
 
 
+def _merged(gradient, fetched):
+    """A shard's gradient from the tape (a lookup in the forward pass) and from its fetched
+    rows ((ids, rows), unique): one, or both as one `IndexedSlices` (summed by the update)."""
+    if fetched is None or gradient is None:
+        return fetched if gradient is None else gradient
+    if not isinstance(gradient, tf.IndexedSlices):
+        gradient = tf.IndexedSlices(gradient, tf.range(tf.shape(gradient)[0]))
+    ids, rows = fetched
+    return tf.IndexedSlices(tf.concat([gradient.values, rows], axis=0),
+                            tf.concat([tf.cast(gradient.indices, tf.int64), ids], axis=0))
+
+
 class GradientStep:
     """`apply_gradients(tape, loss)` for `_tf_compat.train_step_with`.
 
@@ -54,11 +69,12 @@ class GradientStep:
     packed transfer per ps (`transfers.Outbox`); updates then run there.
     """
 
-    def __init__(self, model, cached=(), lookups=()):
+    def __init__(self, model, cached=(), lookups=(), fetched=None):
         self.model = model
         self.optimizer = model.optimizer
         self._cached = {id(variable): value for variable, value in cached}
         self._lookups = lookups  # Filled by the forward pass (`embeddings.recording`).
+        self._fetched = fetched  # `fetched_lookups.FetchedRows`, or None.
 
     def _sources(self, variable):
         if _tf_compat.sharded_storage(variable) is not None:
@@ -83,11 +99,17 @@ class GradientStep:
         groups = [self._sources(v) for v in variables]
         sources = [s for group in groups for s in group]
         lookups = list(self._lookups)
-        flat = tape.gradient(loss, sources + [lookup.rows for lookup in lookups])
+        fetched_rows = self._fetched.rows if self._fetched is not None else []
+        flat = tape.gradient(loss, sources + [lookup.rows for lookup in lookups] + fetched_rows)
+        fetched = (self._fetched.gradients(flat[len(flat) - len(fetched_rows):])
+                   if fetched_rows else {})
+        flat = flat[:len(flat) - len(fetched_rows)]
         updaters, dense, position = [], [], 0
         for variable, group in zip(variables, groups):
             grads = flat[position:position + len(group)]
             position += len(group)
+            if id(variable) in fetched:
+                grads = [_merged(g, rows) for g, rows in zip(grads, fetched[id(variable)])]
             if _tf_compat.sharded_storage(variable) is None:
                 if grads[0] is not None:
                     dense.append((variable, grads[0]))

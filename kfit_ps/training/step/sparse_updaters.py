@@ -31,7 +31,10 @@ from kfit_ps.embeddings import sparse_optimizer
 
 
 def unique_rows(gradient, rows):
-    """(unique row ids, summed gradient rows) of an IndexedSlices or dense gradient."""
+    """(unique row ids, summed gradient rows) of an IndexedSlices or dense gradient, or of
+    such a pair already (a fetched lookup's, `fetched_lookups`)."""
+    if isinstance(gradient, tuple):
+        return gradient
     if isinstance(gradient, tf.IndexedSlices):
         ids, positions = tf.unique(tf.cast(gradient.indices, tf.int64))
         values = tf.math.unsorted_segment_sum(gradient.values, positions, tf.size(ids))

@@ -73,17 +73,49 @@ class PackedReads:
 
     def read(self):
         """[(variable, tensor on this worker)], inside a traced function."""
-        values = {}  # id(part) -> its value on this worker
-        for (device, _), parts in self._groups.items():
+        return self.read_and_gather(())[0]
+
+    def read_and_gather(self, gathers):
+        """`(read(), rows)`: the reads, and rows of sharded tables gathered with them.
+
+        `gathers`: [(a variable's shard on a ps, int64 row ids made on this
+        worker)]. Their ids go to each ps in one transfer, and the rows come
+        back in that ps' packed read; `rows` are the gathered rows on this
+        worker, in the order of `gathers`.
+        """
+        groups = {key: [(part, None) for part in parts] for key, parts in self._groups.items()}
+        by_device = {}
+        for i, (part, ids) in enumerate(gathers):
+            by_device.setdefault(part.device, []).append(i)
+        for device, indices in by_device.items():  # One transfer of ids per ps.
+            arrived = send(device, [gathers[i][1] for i in indices])
+            for i, ids in zip(indices, arrived):
+                part = gathers[i][0]
+                groups.setdefault((device, part.dtype), []).append((part, (i, ids)))
+        values, rows = {}, [None] * len(gathers)  # id(part) -> its value on this worker
+        for (device, _), members in groups.items():
             with tf.device(device):  # Concatenated on the ps: one tensor leaves it.
-                packed = _flat([part.read_value() for part in parts])
-            sizes = [part.shape.num_elements() for part in parts]
-            pieces = tf.split(packed, sizes) if len(sizes) > 1 else [packed]
-            values.update((id(part), tf.reshape(piece, part.shape))
-                          for part, piece in zip(parts, pieces))
-        return [(variable, values[id(parts[0])] if len(parts) == 1
-                 else tf.concat([values[id(p)] for p in parts], axis=0))
-                for variable, parts in self._variables]
+                packed = _flat([part.read_value() if gather is None
+                                else tf.gather(part, gather[1]) for part, gather in members])
+            if len(members) == 1:
+                pieces = [packed]
+            elif all(gather is None for _, gather in members):
+                pieces = tf.split(packed, [part.shape.num_elements() for part, _ in members])
+            else:
+                pieces = tf.split(packed, tf.stack([
+                    tf.constant(part.shape.num_elements(), tf.int64) if gather is None
+                    else tf.size(gathers[gather[0]][1], out_type=tf.int64)
+                    * part.shape[1:].num_elements() for part, gather in members]),
+                    num=len(members))
+            for (part, gather), piece in zip(members, pieces):
+                if gather is None:
+                    values[id(part)] = tf.reshape(piece, part.shape)
+                else:
+                    rows[gather[0]] = tf.reshape(piece, [-1] + part.shape[1:].as_list())
+        values = [(variable, values[id(parts[0])] if len(parts) == 1
+                   else tf.concat([values[id(p)] for p in parts], axis=0))
+                  for variable, parts in self._variables]
+        return values, rows
 
 
 def send(device, parts):
