@@ -10,7 +10,11 @@ trained by three contenders, each measurement in a fresh process:
 - `tf_keras`: tf_keras's own parameter-server `model.fit` (Keras 2), the same
   model, partitioner, cluster shape, data and batch;
 - `keras`: single-process Keras 3 `model.fit` with no cluster at all, on the
-  same machine: the baseline that tells what distribution costs;
+  same machine: the baseline that tells what distribution costs. Its input
+  pipeline runs as kfit_ps' CPU workers run theirs, without tf.data's
+  autotuning (`--keras-autotune on` for Keras' default: on this machine its
+  rate is then exactly 24,990 examples/s in some processes and 30,000 to
+  43,000 in others);
 - `kfit_ps_dynamic` (only when named in `--contenders`): `kfit_ps` with one
   `DynamicEmbedding` for the 26 features instead of the 26 fixed tables (the
   same ids, the same rows); compared with `kfit_ps` as
@@ -167,7 +171,12 @@ def make_keras(paths, args):
 
     model = build_dlrm(_spec(args), args.dim)
     _compile(model, keras, args)
-    return model, dataset_fn_for(paths, args)(tf.distribute.InputContext())
+    data = dataset_fn_for(paths, args)(tf.distribute.InputContext())
+    if args.keras_autotune == "off":  # The input pipeline of kfit_ps' CPU workers.
+        options = tf.data.Options()
+        options.autotune.enabled = False
+        data = data.with_options(options)
+    return model, data
 
 
 def timed_fit(model, data, steps):
@@ -223,6 +232,10 @@ def add_arguments(parser):
     parser.add_argument("--scale", type=float, default=1e-3,
                         help="Criteo cardinalities x this (the main job's 1e-3)")
     parser.add_argument("--rows", type=int, default=200_000, help="examples written")
+    parser.add_argument("--keras-autotune", choices=("off", "on"), default="off",
+                        help="tf.data autotuning of the keras contender's input pipeline: off "
+                             "as kfit_ps' CPU workers run theirs (default), or on (Keras' "
+                             "default, whose rate here is bimodal: see docs/benchmarks.md)")
     parser.add_argument("--threads", type=int, default=0,
                         help="the keras contender on this many cores, with as many intra- "
                              "and inter-op threads (0: every core)")
