@@ -256,4 +256,4 @@ def test_other_lookups_of_a_fetched_table_read_their_own_ids_and_bad_ids_name_th
         model.train_on_batch({"a": np.array([[1, 27]] * 4), "b": np.ones((4, 2), "int64")},
                              np.zeros((4, 1), "float32"))
     assert "Embedding ids must be in [0, input_dim)" in str(raised.value)
-    assert "table/embeddings (20 rows):] [27]" in str(raised.value)
+    assert "[table/embeddings (20 rows):] [1] [27]" in str(raised.value)

@@ -81,8 +81,9 @@ class _Table:
         starts = tf.constant(np.concatenate([[0], ends[:-1]]), tf.int64)
         count = len(self.shards)
         self.ids = tf.dynamic_partition(unique - tf.gather(starts, shard), shard, count)
-        self.in_range = tf.logical_and(tf.reduce_min(unique) >= 0,  # (empty: true)
-                                       tf.reduce_max(unique) < self.size)
+        self.smallest, self.largest = tf.reduce_min(unique), tf.reduce_max(unique)
+        self.in_range = tf.logical_and(self.smallest >= 0,  # (No ids: true.)
+                                       self.largest < self.size)
         self.positions = tf.dynamic_partition(tf.range(tf.size(unique)), shard, count)
         self.rows = None  # One tensor per shard, on this worker.
 
@@ -104,16 +105,14 @@ class _Table:
 
 def _checked(tables):
     """A check, for the ids' transfer to wait for, that every id is a row of its table; it
-    fails as Keras' own lookup would, naming the tables and the ids out of range."""
-    def refuse():
-        data = ["kfit_ps: Embedding ids must be in [0, input_dim); out of range:"]
-        for table in tables:
-            data += [f"{table.variable.path} ({table.size} rows):", tf.boolean_mask(
-                table.unique, (table.unique < 0) | (table.unique >= table.size))]
-        return tf.raw_ops.Assert(condition=False, data=data, summarize=10)
-
+    fails as Keras' own lookup would, naming each table with its rows and the batch's
+    smallest and largest id in it."""
+    data = ["kfit_ps: Embedding ids must be in [0, input_dim); the batch's smallest and "
+            "largest id of each table:"]
+    for table in tables:
+        data += [f"{table.variable.path} ({table.size} rows):", table.smallest, table.largest]
     in_range = tf.reduce_all(tf.stack([table.in_range for table in tables]))
-    return tf.cond(in_range, tf.no_op, refuse)
+    return tf.raw_ops.Assert(condition=in_range, data=data, summarize=2)
 
 
 def _source(ids):
