@@ -15,9 +15,10 @@ the gradient):
   rows there into that ps' packed read (`transfers.PackedReads.
   read_and_gather`), which comes back in one transfer;
 - answers a lookup of those very ids (the batch's tensor, or it cast or
-  reshaped) from those rows on the worker (`_tf_compat.CachedReadScope.fetched_lookup`),
-  and takes the gradient with respect to them: one summed row per unique id,
-  which the table's sparse update (`sparse_updaters.ShardedVariableUpdater`)
+  reshaped) from those rows on the worker
+  (`_tf_compat.CachedReadScope.fetched_lookup`), and takes the gradient
+  with respect to them: one summed row per unique id, which the table's
+  sparse update (`sparse_updaters.ShardedVariableUpdater`)
   sends to its ps. Any other lookup of the table (another layer's `ops.take`
   on it) reads the table as before, and its gradient rows join these.
 
@@ -75,7 +76,8 @@ class _Table:
         ids = tf.reshape(ids, [-1])
         if ids.dtype != tf.int64:
             ids = tf.cast(ids, tf.int64)
-        self.unique, self.where = unique, _ = tf.unique(ids)
+        unique, self.where = tf.unique(ids)
+        self.unique = unique
         self.size = int(ends[-1])
         shard = tf.minimum(tf.searchsorted(ends, unique, side="right"), len(ends) - 1)
         starts = tf.constant(np.concatenate([[0], ends[:-1]]), tf.int64)
@@ -90,10 +92,7 @@ class _Table:
     def lookup(self, indices):
         """The rows of `indices`, or None unless they are this table's batch ids: the tensor
         itself, or it cast or reshaped (as a model and `Embedding.call` may convert it)."""
-        source = indices
-        while source is not self.input and _same_ids_as_input(source):
-            source = source.op.inputs[0]
-        if source is not self.input:
+        if _source(indices) is not self.input:  # (`self.input` is a source itself.)
             return None
         indices = tf.convert_to_tensor(indices)
         rows = tf.gather(tf.dynamic_stitch(self.positions, self.rows), self.where)

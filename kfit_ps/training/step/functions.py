@@ -92,8 +92,8 @@ class ScheduledFunctions:
         """
         model = self._model
         held = snapshot.variables if snapshot is not None else []
-        reads = transfers.PackedReads([v for v in model.variables
-                                       if not any(v is h for h in held)])
+        held_ids = {id(v) for v in held}
+        reads = transfers.PackedReads([v for v in model.variables if id(v) not in held_ids])
         # Keras' own step calls the model on the batch's inputs; a user's may not.
         stock = _tf_compat.has_stock_step(model, step.__name__)
 
