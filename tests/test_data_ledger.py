@@ -425,7 +425,11 @@ def test_a_shuffled_file_list_trains_a_new_seeded_order_of_batches_each_epoch(tm
         # Whole batches of the files' order move; the short last one stays last.
         assert order[-(N % BATCH):].tolist() == list(range(N - N % BATCH, N))
         assert all(order[i + 1] == order[i] + 1 for i in range(0, N - 1) if (i + 1) % BATCH)
-    assert (orders[0] != orders[1]).mean() > 0.9
+    # The seed follows from the files' paths (tmp_path's), so this holds for any seed: in two
+    # random orders of the 39 whole batches about one keeps its place (Poisson(1)); 10 or more
+    # would be a 1e-7 chance.
+    starts = [order[:N - N % BATCH:BATCH] for order in orders]
+    assert (starts[0] == starts[1]).sum() < 10, starts
     # The same order in a restarted chief (another source of the same files).
     again = kfit_ps.ledger.dataset_source(helpers.indexed_file_dataset(
         tf.data.Dataset.list_files(pattern, shuffle=True), BATCH), "x")
