@@ -202,6 +202,48 @@ def test_models_outside_kfit_keep_stock_keras(strategy):
     assert "/job:ps" not in model.variables[0].value.device
 
 
+def test_a_custom_step_runs_as_plain_python_as_in_keras(strategy):
+    """Keras 3 traces `train_step` without autograph (`do_not_convert`), and so does kfit_ps: a
+    step that branches on a Python value trains; one that branches on a tensor fails with the
+    error single-process Keras raises."""
+
+    def model_with(step_body):
+        class Stepping(keras.Sequential):
+            def train_step(self, data):
+                return step_body(self, data)
+
+        model = Stepping([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    def python_branch(model, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = model.compute_loss(x, y, model(x, training=True))
+        if model.trainable:  # a Python bool: a branch of the trace
+            model.optimizer.apply(tape.gradient(loss, model.trainable_variables),
+                                  model.trainable_variables)
+        return {"loss": loss}
+
+    def tensor_branch(model, data):
+        if tf.reduce_sum(data[1]) > 0:  # a tensor in `if`: plain Python cannot branch on it
+            return {"loss": tf.constant(0.0)}
+        return {"loss": tf.constant(1.0)}
+
+    x, y = helpers.regression_arrays(rows=32)
+    with strategy.scope():
+        model = model_with(python_branch)
+    model.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 4
+    with pytest.raises(tf.errors.OperatorNotAllowedInGraphError) as local:
+        model_with(tensor_branch).fit(x, y, epochs=1, batch_size=8, verbose=0)
+    with strategy.scope():
+        model = model_with(tensor_branch)
+    with pytest.raises(tf.errors.OperatorNotAllowedInGraphError) as distributed:
+        model.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    assert str(distributed.value) == str(local.value), (distributed.value, local.value)
+
+
 def test_recompile_retraces(strategy):
     model = compiled_model(strategy, steps_per_execution=2)
     fit_args = dict(x=kfit_ps.DatasetCreator(helpers.regression_dataset_fn()), epochs=1,

@@ -10,6 +10,12 @@ are kept in the slots Keras itself uses (`model.train_function`, ...), which
 Training and evaluation functions keep metric state local and return it
 (`metric_state`): the coordinator counts each finished function once.
 
+The functions are traced without autograph, as Keras 3's own (its
+`train_step`, `test_step` and `predict_step` run as plain Python: a tensor in
+an `if` fails, as it does in Keras): converting kfit_ps' step code took about
+3 s of CPU of a small model's first `fit`, which now costs what Keras' does.
+Their loops are written as graph loops (`_repeat`, `_for_each`).
+
 Up to `MAX_UNROLLED_STEPS` steps are unrolled in the traced function rather
 than looped: a loop whose body runs ops on the ps tasks becomes a
 distributed while loop, whose per-iteration control messages between the
@@ -28,10 +34,37 @@ from kfit_ps.training.step.metric_state import MetricState
 MAX_UNROLLED_STEPS = 10
 
 
-def _step_indices(k):
-    """Step indices of a `k`-step function: Python ints (the steps unrolled) up to
-    `MAX_UNROLLED_STEPS`, else an int64 graph loop (its index adds to a batch index)."""
-    return range(k) if k <= MAX_UNROLLED_STEPS else tf.range(k, dtype=tf.int64)
+def _traced(run, **options):
+    """`run` as a `tf.function`, traced as Keras 3 traces its own: without autograph."""
+    return tf.function(run, jit_compile=False, autograph=False, **options)
+
+
+def _repeat(k, body, state):
+    """`state = body(index, state)` for each index of a `k`-step function: Python ints (the
+    steps unrolled) up to `MAX_UNROLLED_STEPS`, else an int64 graph loop (its index adds to a
+    batch index). `k`: a Python int, or an int64 tensor (always a loop)."""
+    if isinstance(k, int) and k <= MAX_UNROLLED_STEPS:
+        for index in range(k):
+            state = body(index, state)
+        return state
+    _, state = tf.while_loop(lambda index, _: index < k,
+                             lambda index, state: (index + 1, body(index, state)),
+                             (tf.constant(0, tf.int64), state))
+    return state
+
+
+def _for_each(iterator, body, state):
+    """`state = body(element, state)` for each element of a dataset's `iterator` (inside a
+    traced function): a graph loop over `get_next_as_optional`, as autograph writes one."""
+
+    def next_state(more, state):
+        element = iterator.get_next_as_optional()
+        return tf.cond(element.has_value(),
+                       lambda: (tf.constant(True), body(element.get_value(), state)),
+                       lambda: (tf.constant(False), state))
+
+    _, state = tf.while_loop(lambda more, _: more, next_state, (tf.constant(True), state))
+    return state
 
 
 class ScheduledFunctions:
@@ -51,16 +84,12 @@ class ScheduledFunctions:
     def _steps_from_iterator(self, step, k):
         strategy, metric_state = self._strategy, self.metric_state
 
-        def one(state, iterator):
-            return metric_state.run_replica(strategy, step, next(iterator), state)
-
         def run(iterator):
-            state = metric_state.zeros()
-            for _ in _step_indices(k):
-                state = one(state, iterator)
+            state = _repeat(k, lambda _, state: metric_state.run_replica(
+                strategy, step, next(iterator), state), metric_state.zeros())
             return metric_state.pack(state)
 
-        return tf.function(run, jit_compile=False)
+        return _traced(run)
 
     def _train_step(self):
         model = self._model
@@ -132,16 +161,19 @@ class ScheduledFunctions:
 
             def run(data, first, epoch, count):
                 marked = ledger.attempts.mark(first)
-                state = metric_state.zeros()
                 next_batch = source.split_reader(data, first, epoch, count)
-                for j in (_step_indices(k) if k is not None else tf.range(count)):
+
+                def one(j, state):
                     batch = next_batch(j)
                     with tf.control_dependencies([marked]):
                         batch = tf.nest.map_structure(tf.identity, batch)
-                    state = metric_state.run_replica(strategy, train_step, batch, state)
+                    return metric_state.run_replica(strategy, train_step, batch, state)
+
+                state = _repeat(k if k is not None else tf.cast(count, tf.int64), one,
+                                metric_state.zeros())
                 return metric_state.pack(state)
 
-            return tf.function(run, jit_compile=False)
+            return _traced(run)
 
         for key in [key for key in self._cache if key[0] == "train_split" and key[2] is not ledger]:
             del self._cache[key]  # Another fit's ledger: its counters are gone.
@@ -175,15 +207,16 @@ class ScheduledFunctions:
                 def step(data):
                     return reading_step(data, values)
 
-                state = tuple(metric_state.zeros())
                 # A loop over an iterator is a while loop of this function's graph, optimised
                 # once per worker; a loop over the dataset would be a `Dataset.reduce`, whose
                 # body (the whole model) TensorFlow instantiates and optimises again per call.
-                for batch in iter(_tf_compat.shard_dataset(dataset, num_shards, shard, policy)):
-                    state = tuple(metric_state.run_replica(strategy, step, batch, list(state)))
+                state = _for_each(
+                    iter(_tf_compat.shard_dataset(dataset, num_shards, shard, policy)),
+                    lambda batch, state: tuple(metric_state.run_replica(
+                        strategy, step, batch, list(state))), tuple(metric_state.zeros()))
                 return metric_state.pack(list(state))
 
-            return tf.function(run, jit_compile=False)
+            return _traced(run)
 
         return self._get(("test_shard", num_shards, policy), build)
 
@@ -197,7 +230,7 @@ class ScheduledFunctions:
                 return metric_state.pack(
                     metric_state.run_replica(strategy, step, batch, metric_state.zeros()))
 
-            return tf.function(run, jit_compile=False, reduce_retracing=True)
+            return _traced(run, reduce_retracing=True)
 
         return self._get(key, build)
 
@@ -218,7 +251,7 @@ class ScheduledFunctions:
                     state = metric_state.run_replica(strategy, train_step, batch, state)
                 return metric_state.pack(state)
 
-            return tf.function(run, jit_compile=False)
+            return _traced(run)
 
         return self._get(("train_batches", k), build)
 
@@ -242,7 +275,7 @@ class ScheduledFunctions:
             def run(iterator):
                 return strategy.run(predict_step, args=(next(iterator),))
 
-            return tf.function(run, jit_compile=False)
+            return _traced(run)
 
         return self._get(("predict_next",), build)
 
