@@ -87,6 +87,21 @@ def test_counts_are_exact(strategy, steps_per_execution):
     assert int(model.optimizer.iterations.numpy()) == 63
 
 
+@pytest.mark.parametrize("k, loops", [(5, False), (np.int64(5), False), (12, True),
+                                      (tf.constant(3, tf.int64), True)])
+def test_a_functions_steps_are_unrolled_up_to_the_limit_and_a_graph_loop_beyond(k, loops):
+    """A numpy step count (Keras keeps `steps_per_execution` as given) unrolls as an int does;
+    a graph loop (a distributed while loop, slower) only past `MAX_UNROLLED_STEPS` or for a
+    tensor count."""
+    from kfit_ps.training.step import functions
+
+    run = tf.function(lambda: functions._repeat(k, lambda i, n: n + 1, tf.constant(0, tf.int64)),
+                      autograph=False)
+    ops = run.get_concrete_function().graph.get_operations()
+    assert any(op.type in ("While", "StatelessWhile") for op in ops) == loops
+    assert int(run()) == int(k)
+
+
 def test_metric_results_are_folded_during_the_epoch_and_stay_exact(strategy, monkeypatch):
     monkeypatch.setenv(kfit_ps.constants.METRIC_RESULTS_PENDING_ENV, "3")
     model = compiled_model(strategy, steps_per_execution=2,

@@ -91,6 +91,8 @@ if request is None:
     os._exit(0)
 # The chief: `python -c` from here on.
 signal.signal(signal.SIGINT, signal.default_int_handler)
+import faulthandler
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # A timed-out chief's stacks (`run`).
 answers.close()
 null = os.open(os.devnull, os.O_RDONLY)
 os.dup2(null, 0)
@@ -311,13 +313,25 @@ def run(code, env, cwd, timeout):
             for drain in drains:
                 drain.text(deadline)
             raise
-        if status is None:
+        if status is None:  # Where each of its threads waits goes to its stderr first.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(chief.pid, signal.SIGUSR1)
+            time.sleep(2)
             chief.stop()
         deadline = time.monotonic() + 30  # One bound for both pipes (a grandchild may hold one).
         stdout, stderr = (drain.text(deadline) for drain in drains)
     if status is None:
-        raise subprocess.TimeoutExpired(["chief"], timeout, output=stdout, stderr=stderr)
+        raise ChiefTimeout(["chief"], timeout, output=stdout, stderr=stderr)
     return subprocess.CompletedProcess(["chief"], status, stdout, stderr)
+
+
+class ChiefTimeout(subprocess.TimeoutExpired):
+    """A forked chief that ran past its timeout; its message ends with the ends of what it
+    wrote, its threads' stacks last."""
+
+    def __str__(self):
+        return (f"{super().__str__()}\nstdout:\n{(self.output or '')[-3000:]}\n"
+                f"stderr:\n{(self.stderr or '')[-12000:]}")
 
 
 def close():

@@ -42,9 +42,10 @@ def _traced(run, **options):
 def _repeat(k, body, state):
     """`state = body(index, state)` for each index of a `k`-step function: Python ints (the
     steps unrolled) up to `MAX_UNROLLED_STEPS`, else an int64 graph loop (its index adds to a
-    batch index). `k`: a Python int, or an int64 tensor (always a loop)."""
-    if isinstance(k, int) and k <= MAX_UNROLLED_STEPS:
-        for index in range(k):
+    batch index). `k`: an integer (Keras keeps `steps_per_execution` as given: a numpy one
+    too), or an int64 tensor (always a loop)."""
+    if not tf.is_tensor(k) and k <= MAX_UNROLLED_STEPS:
+        for index in range(int(k)):
             state = body(index, state)
         return state
     _, state = tf.while_loop(lambda index, _: index < k,
