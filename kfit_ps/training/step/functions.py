@@ -13,7 +13,7 @@ Training and evaluation functions keep metric state local and return it
 The functions are traced without autograph, as Keras 3's own (its
 `train_step`, `test_step` and `predict_step` run as plain Python: a tensor in
 an `if` fails, as it does in Keras): converting kfit_ps' step code took about
-3 s of CPU of a small model's first `fit`, which now costs what Keras' does.
+3 s of CPU of the first `fit` in a process (docs/performance.md).
 Their loops are written as graph loops (`_repeat`, `_for_each`).
 
 Up to `MAX_UNROLLED_STEPS` steps are unrolled in the traced function rather
