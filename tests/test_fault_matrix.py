@@ -181,6 +181,10 @@ def _inject(job, fault):
         job.read_until(lambda line: "ps:1 is back" in line)  # The chief restores it now.
         os.kill(tasks["worker:0"], signal.SIGKILL)
         return 2
+    elif fault == "SIGKILL ps and a worker at once":  # TF's worker recovery reconnects first.
+        os.kill(tasks["ps:1"], signal.SIGKILL)
+        os.kill(tasks["worker:0"], signal.SIGKILL)
+        return 2
     elif fault == "scale to 3, SIGKILL a worker while it joins":
         _scale(job, 3)
         job.read_until(lambda line: "new worker(s) serve" in line, timeout=120)
@@ -275,18 +279,27 @@ def check(statuses, faults, runs, work, recoveries=()):
 
     log = events.read(str(runs[-1].run_dir / "events.jsonl"))
     assert log[-1]["event"] == "done" and log[-1]["status"] == 0, log[-3:]
-    kinds = [e["event"] for run in runs
-             for e in events.read(str(run.run_dir / "events.jsonl"))]
+    logged = [e for run in runs for e in events.read(str(run.run_dir / "events.jsonl"))]
+    kinds = [e["event"] for e in logged]
     how = [f"{kinds.count(kind)} {kind}" for kind in ("ps_restored", "job_restart", "resumed")
            if kind in kinds]  # In place, or the named fallback (a job restart, a resume).
     for kind in ("ps_restored", "job_restart"):  # Each the cells' own, and no other.
-        assert kinds.count(kind) == list(recoveries).count(kind), (kind, kinds)
+        assert kinds.count(kind) == list(recoveries).count(kind), _recoveries(kind, logged, runs)
     for run, after in zip(runs, runs[1:]):  # Each rerun after a stop resumed its fit.
         if run.proc.returncode == 143:
             assert "resumed" in [e["event"] for e in events.read(
                 str(after.run_dir / "events.jsonl"))], kinds
     assert kinds.count("resumed") >= list(recoveries).count("resumed"), kinds
     return ", ".join(held + how)
+
+
+def _recoveries(kind, logged, runs):
+    """A failed recovery count, told: the recovery events and the chief's errors."""
+    told = [f"{e['event']} {e['task']}: {e['reason'][:200]}" for e in logged if e["event"] in (
+        "task_lost", "ps_restored", "job_restart", "resumed")]
+    errors = [line[:300] for run in runs for line in run.lines
+              if line.startswith("[chief] ") and "Error" in line.split(":")[0]]
+    return "\n".join([f"{kind}: the recoveries logged, then the chief's errors:"] + told + errors)
 
 
 # The jobs, each the cells it meets in phase order: (phase, fault, the recovery the cell
@@ -299,7 +312,8 @@ JOBS = [
     [("epoch-end", "SIGKILL chief", "job_restart"),
      ("validation-workers", "SIGKILL chief", "job_restart"),
      ("predict", "SIGKILL ps", "job_restart")],  # Outside fit: no in-place restore.
-    [("validation-shipped", "SIGTERM group", "resumed"),
+    [("training", "SIGKILL ps and a worker at once", "ps_restored"),
+     ("validation-shipped", "SIGTERM group", "resumed"),
      ("second-fit", "SIGTERM launcher", "resumed")],
     [("start-up", "SIGKILL ps", None), ("training", "SIGKILL worker", None),
      ("evaluate", "SIGKILL worker", None)],

@@ -74,10 +74,17 @@ def ps_address(task):
 
 
 def readable(variable):
-    """Whether `variable`'s resource still answers (its ps runs the same incarnation)."""
+    """Whether `variable`'s resource still answers (its ps runs the same incarnation).
+
+    The op must look the resource up on the ps: once the eager context has been updated
+    to a ps's new incarnation (TensorFlow's own worker recovery does so when a worker is
+    lost too), `VariableShape` of a stale handle still answers from the handle, while
+    `VarIsInitializedOp` fails ("Resource input tensor contains an invalid device"). Its
+    answer is not the test: a restored ps's metric variables stay empty until results are
+    folded, and they answer."""
     try:
         with tf.device(variable.device):
-            resource_variable_ops.variable_shape(variable.handle).numpy()
+            resource_variable_ops.var_is_initialized_op(variable.handle).numpy()
         return True
     except (tf.errors.OpError, ValueError):
         return False
