@@ -151,6 +151,8 @@ def test_restoring_only_a_restarted_ps_writes_its_part_and_nothing_else(tmp_path
             # Connected to the new incarnation (as TensorFlow's worker recovery also does):
             # the old handles name resources that are gone.
             out["readable_after_reconnect"] = [restore.readable(v) for v in lost]
+            out["ps0_readable_after_reconnect"] = all(
+                restore.readable(v) for v in restore.variables_on(0))  # No false alarm.
             for variable in lost:
                 restore.recreate(variable)
             with restore.restoring_only([1]) as written:
@@ -176,6 +178,7 @@ def test_restoring_only_a_restarted_ps_writes_its_part_and_nothing_else(tmp_path
     assert result["lost"] > 0 and result["readable"], result["_stderr"][-3000:]
     assert not result["readable_after_kill"]
     assert not any(result["readable_after_reconnect"]), result["readable_after_reconnect"]
+    assert result["ps0_readable_after_reconnect"]
     assert result["written"] > 0 and result["readable_restored"]
     assert result["ps0_untouched"]  # Only the restarted ps's part was written.
     assert "task:1" in result["shard1_device"]
