@@ -17,7 +17,16 @@ def test_send_delivers_mixed_parts_with_their_shapes(strategy):
     def move(n):
         parts = [tf.range(n, dtype=tf.float32), tf.ones((2, 3)), tf.constant(7, tf.int64),
                  tf.reshape(tf.range(n * 2, dtype=tf.int64), (n, 2)), tf.constant(2.5),
-                 tf.zeros((0, 4))]
+                 tf.zeros((0, 4)),
+                 # Shapes one count cannot rebuild travel whole: two unknown dimensions; a
+                 # known one of 0.
+                 tf.reshape(tf.range(n * n, dtype=tf.float32), (n, n)),
+                 tf.zeros((n, 0), tf.int32),
+                 tf.reshape(tf.range(6 * n, dtype=tf.float32), (2, n, 3)),
+                 tf.range(n, dtype=tf.int32),  # int32: counts not next to each other
+                 tf.cast(tf.range(n), tf.float64),  # float64: all dynamic, consecutive
+                 tf.reshape(tf.cast(tf.range(2 * n), tf.float64), (n, 2)),
+                 tf.ones((n,), tf.uint8)]  # alone in its dtype
         received = transfers.send(PS1, parts)
         shapes.update({i: r.shape.as_list() for i, r in enumerate(received)})
         for r in received:
@@ -31,8 +40,17 @@ def test_send_delivers_mixed_parts_with_their_shapes(strategy):
     np.testing.assert_array_equal(values[1], np.ones((2, 3)))
     assert values[2] == 7 and values[4] == 2.5 and values[5].shape == (0, 4)
     np.testing.assert_array_equal(values[3], np.arange(6).reshape(3, 2))
+    np.testing.assert_array_equal(values[6], np.arange(9).reshape(3, 3))
+    assert values[7].shape == (3, 0) and values[7].dtype == np.int32
+    np.testing.assert_array_equal(values[8], np.arange(18).reshape(2, 3, 3))
+    np.testing.assert_array_equal(values[9], [0, 1, 2])
+    np.testing.assert_array_equal(values[10], [0.0, 1.0, 2.0])
+    np.testing.assert_array_equal(values[11], np.arange(6).reshape(3, 2))
+    np.testing.assert_array_equal(values[12], [1, 1, 1])
     # Static shapes survive; dynamic ones travel.
-    assert shapes == {0: [None], 1: [2, 3], 2: [], 3: [None, 2], 4: [], 5: [0, 4]}
+    assert shapes == {0: [None], 1: [2, 3], 2: [], 3: [None, 2], 4: [], 5: [0, 4],
+                      6: [None, None], 7: [None, 0], 8: [2, None, 3], 9: [None], 10: [None],
+                      11: [None, 2], 12: [None]}
 
 
 def _model(strategy):

@@ -50,22 +50,26 @@ def apply_adam(optimizer, grads, variables, scalars_on):
     pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
     if pairs:
         optimizer._apply_weight_decay([v for _, v in pairs])
+    scalars = {}  # (device, dtype) -> the step's scalars there: made once per ps and dtype
     for grad, variable in pairs:
         index = optimizer._get_variable_index(variable)
         inner = storage(variable)
         dtype = inner.dtype
         with tf.device(inner.device):
-            learning_rate, step = scalars_on(inner.device)
-            local_step = tf.cast(step, dtype)
-            beta_1 = tf.cast(optimizer.beta_1, dtype)
-            beta_2 = tf.cast(optimizer.beta_2, dtype)
+            if (inner.device, dtype) not in scalars:
+                learning_rate, step = scalars_on(inner.device)
+                local_step = tf.cast(step, dtype)
+                beta_1 = tf.cast(optimizer.beta_1, dtype)
+                beta_2 = tf.cast(optimizer.beta_2, dtype)
+                scalars[inner.device, dtype] = dict(
+                    beta1_power=tf.pow(beta_1, local_step),
+                    beta2_power=tf.pow(beta_2, local_step), lr=tf.cast(learning_rate, dtype),
+                    beta1=beta_1, beta2=beta_2, epsilon=tf.cast(optimizer.epsilon, dtype))
             tf.raw_ops.ResourceApplyAdam(
                 var=inner.handle, m=storage(optimizer._momentums[index]).handle,
                 v=storage(optimizer._velocities[index]).handle,
-                beta1_power=tf.pow(beta_1, local_step), beta2_power=tf.pow(beta_2, local_step),
-                lr=tf.cast(learning_rate, dtype), beta1=beta_1, beta2=beta_2,
-                epsilon=tf.cast(optimizer.epsilon, dtype),
-                grad=tf.cast(tf.convert_to_tensor(grad), dtype), use_locking=True)
+                grad=tf.cast(tf.convert_to_tensor(grad), dtype), use_locking=True,
+                **scalars[inner.device, dtype])
     for _, variable in pairs:
         if variable.constraint is not None:
             variable.assign(variable.constraint(variable))

@@ -121,45 +121,85 @@ class PackedReads:
 def send(device, parts):
     """`parts` (tensors made on this worker) as tensors on `device`; one transfer per dtype.
 
-    Shapes known when tracing are kept; the others travel in a small int64
-    header with the int64 parts.
+    Shapes known when tracing are kept. The others travel in a small int64 header
+    with the int64 parts: each such part's element count (the sizes its pack is
+    split by), then the whole shape of a part that one count cannot rebuild (more
+    than one unknown dimension, or a known one of 0). The header is split once on
+    `device`, so a part costs no op of its own there beyond its reshape.
     """
     dynamic = [i for i, p in enumerate(parts) if not p.shape.is_fully_defined()]
+    whole = [i for i in dynamic if not _one_count_rebuilds(parts[i].shape)]
     by_dtype = {}
     for i, part in enumerate(parts):
         by_dtype.setdefault(part.dtype, []).append(i)
     packs = {dtype: _flat([parts[i] for i in indices]) for dtype, indices in by_dtype.items()}
-    header_length = sum(parts[i].shape.rank for i in dynamic)
+    ranks = [parts[i].shape.rank for i in whole]
     if dynamic:
-        header = _flat([tf.shape(parts[i], out_type=tf.int64) for i in dynamic])
+        header = _flat([tf.stack([tf.size(parts[i], out_type=tf.int64) for i in dynamic])]
+                       + [tf.shape(parts[i], out_type=tf.int64) for i in whole])
         packs[tf.int64] = tf.concat([header, packs[tf.int64]], 0) if tf.int64 in packs \
             else header
     received = [None] * len(parts)
     with tf.device(device):
         arrived = {dtype: tf.identity(pack) for dtype, pack in packs.items()}
-        shapes = {i: parts[i].shape for i in range(len(parts))}
-        offset = 0
-        for i in dynamic:
-            rank = parts[i].shape.rank
-            shapes[i] = arrived[tf.int64][offset:offset + rank]
-            offset += rank
-        if header_length:
-            arrived[tf.int64] = arrived[tf.int64][header_length:]
+        counts, shapes = None, {}
+        if dynamic:
+            widths = [len(dynamic)] + ranks
+            rest = arrived[tf.int64].shape[0]
+            rest = None if rest is None else rest - sum(widths)
+            pieces = tf.split(arrived[tf.int64], widths + [-1], num=len(widths) + 1)
+            counts, arrived[tf.int64] = pieces[0], pieces[-1]
+            if rest is not None:
+                arrived[tf.int64].set_shape([rest])
+            shapes = dict(zip(whole, pieces[1:-1]))
+        position = {i: k for k, i in enumerate(dynamic)}
         for dtype, indices in by_dtype.items():
-            sizes = [tf.reduce_prod(shapes[i]) if i in dynamic else shapes[i].num_elements()
-                     for i in indices]
             if len(indices) == 1:
-                pieces = [arrived[dtype]]
-            elif any(i in dynamic for i in indices):
-                pieces = tf.split(arrived[dtype], tf.stack(
-                    [tf.cast(s, tf.int64) for s in sizes]), num=len(indices))
+                split = [arrived[dtype]]
+            elif any(i in position for i in indices):
+                split = tf.split(arrived[dtype], _sizes(indices, parts, position, counts),
+                                 num=len(indices))
             else:
-                pieces = tf.split(arrived[dtype], sizes)
-            for i, piece in zip(indices, pieces):
-                value = tf.reshape(piece, shapes[i])
-                value.set_shape(parts[i].shape)
-                received[i] = value
+                split = tf.split(arrived[dtype], [parts[i].shape.num_elements() for i in indices])
+            for i, piece in zip(indices, split):
+                received[i] = _shaped(piece, parts[i].shape, shapes.get(i))
     return received
+
+
+def _one_count_rebuilds(shape):
+    """Whether a part of `shape` is rebuilt from its element count alone: one unknown
+    dimension, and no known one of 0 (a reshape to -1 there is ambiguous)."""
+    if shape.rank is None:
+        raise ValueError(f"transfers.send: a part of unknown rank cannot travel; received a "
+                         f"part of shape {shape}. Give it a known rank (tf.ensure_shape).")
+    dims = shape.as_list()
+    return dims.count(None) == 1 and 0 not in dims
+
+
+def _sizes(indices, parts, position, counts):
+    """The element counts of `indices`' parts, as one int64 vector on this device: a slice of
+    `counts` where they are its consecutive entries, else gathered beside the static ones."""
+    wanted = [position.get(i) for i in indices]
+    if None not in wanted and wanted == list(range(wanted[0], wanted[0] + len(wanted))):
+        return counts if len(wanted) == counts.shape[0] else \
+            counts[wanted[0]:wanted[0] + len(wanted)]
+    static = [parts[i].shape.num_elements() if position.get(i) is None else 0 for i in indices]
+    table = tf.concat([counts, tf.constant(static, tf.int64)], 0)
+    offset = len(position)
+    return tf.gather(table, [offset + k if w is None else w for k, w in enumerate(wanted)])
+
+
+def _shaped(piece, shape, whole_shape):
+    """`piece` (flat) with `shape`; `whole_shape`: its travelled shape, where one count could
+    not rebuild it."""
+    if whole_shape is not None:
+        value = tf.reshape(piece, whole_shape)
+    elif shape.rank == 1:
+        value = piece
+    else:
+        value = tf.reshape(piece, [-1 if d is None else d for d in shape.as_list()])
+    value.set_shape(shape)
+    return value
 
 
 class Outbox:
