@@ -144,13 +144,9 @@ def send(device, parts):
         arrived = {dtype: tf.identity(pack) for dtype, pack in packs.items()}
         counts, shapes = None, {}
         if dynamic:
-            widths = [len(dynamic)] + ranks
-            rest = arrived[tf.int64].shape[0]
-            rest = None if rest is None else rest - sum(widths)
+            widths = [len(dynamic)] + ranks  # SplitV infers the rest's static length.
             pieces = tf.split(arrived[tf.int64], widths + [-1], num=len(widths) + 1)
             counts, arrived[tf.int64] = pieces[0], pieces[-1]
-            if rest is not None:
-                arrived[tf.int64].set_shape([rest])
             shapes = dict(zip(whole, pieces[1:-1]))
         position = {i: k for k, i in enumerate(dynamic)}
         for dtype, indices in by_dtype.items():
